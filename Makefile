@@ -1,0 +1,46 @@
+# wagma_comm: `make demo` runs the main job, `make test` runs every test.
+# Both create .venv and install what they need (the PyPI mpich wheel included).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+STAMP  := $(VENV)/.installed-stamp
+# Ranks the MPI test files run at (the same files pass at every size).
+MPI_SIZES ?= 1 2 3 4 8
+# Oversubscription is fine: these tests check correctness, not speed.
+MPI_TEST_TIMEOUT ?= 600
+DEMO_RANKS ?= 8
+
+.PHONY: all install test test-unit test-mpi demo bench clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# CPU PyTorch first (a local wheel here), so nothing pulls a CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[mpich,test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: test-unit test-mpi
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit -q
+
+test-mpi: $(STAMP)
+	@set -e; for n in $(MPI_SIZES); do \
+	  echo "== MPI tests on $$n ranks"; \
+	  timeout $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py -q; \
+	done
+
+demo: $(STAMP)
+	$(MPIEXEC) -n $(DEMO_RANKS) $(VENV)/bin/wagma bench --vs mpi
+
+bench: $(STAMP)
+	$(MPIEXEC) -n 8 $(VENV)/bin/wagma bench --vs mpi --json bench/results/host-8.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,23 @@
+"""Run the MPI test files on every rank of an ``mpiexec`` job.
+
+Rank 0 reports; the other ranks stay quiet unless a test fails there. A failure
+on any rank aborts the whole job (conftest.py), so a rank that moved on to the
+next test can never wait forever for one that stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from mpi4py import MPI
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = sys.argv[1:] or ["-q"]
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        args = [*args, "-p", "no:terminal"]
+    code = pytest.main([here, "-p", "no:cacheprovider", *args])
+    MPI.COMM_WORLD.Barrier()
+    sys.exit(int(code))

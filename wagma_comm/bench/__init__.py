@@ -1,0 +1,1 @@
+"""``wagma bench``: nccl-tests-style collective benchmarks, peers side by side."""

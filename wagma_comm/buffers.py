@@ -1,0 +1,140 @@
+"""DLPack intake: any exporting object -> a :class:`Buffer` view.
+
+Parsing is done by NVIDIA's cuda-core (``StridedMemoryView.from_dlpack``), which
+reads address, shape, strides, dtype (bfloat16 included), device and the
+read-only flag on host and device alike without needing a GPU. We separate "not
+my protocol" (no ``__dlpack__``) from "my protocol but unusable" (strided,
+read-only, unsupported dtype, empty, wrong device), and every message names the
+argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .dtypes import DType
+from .errors import BufferError, UnsupportedError
+
+# DLPack device types (dlpack.h, DLDeviceType).
+DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13
+_HOST_DEVICES = (DL_CPU, DL_CUDA_HOST)
+_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan",
+                 8: "metal", 10: "rocm", 13: "cuda_managed", 14: "oneapi"}
+
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """A validated, contiguous view of a user buffer.
+
+    ``owner`` is the user's object and ``view`` the parsed memory view; both are
+    kept here so the memory stays alive while a collective uses it.
+    """
+
+    owner: Any
+    view: Any
+    ptr: int
+    count: int
+    dtype: DType
+    shape: tuple[int, ...]
+    device: str  # "cpu" or "cuda"
+    device_id: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    def host_array(self) -> np.ndarray:
+        """A flat writable NumPy view (kernel storage dtype) of host memory."""
+        raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=self.dtype.storage)
+
+
+def _device_of(obj: Any, argument: str) -> tuple[int, int]:
+    try:
+        dev_type, dev_id = obj.__dlpack_device__()
+    except Exception as exc:  # the exporter itself refused
+        raise BufferError(argument, f"__dlpack_device__() failed: {exc}") from exc
+    return int(dev_type), int(dev_id)
+
+
+def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
+    if strides is None:
+        return True
+    expected = 1
+    for extent, stride in zip(reversed(shape), reversed(strides)):
+        if extent != 1 and stride != expected:
+            return False
+        expected *= extent
+    return True
+
+
+def as_buffer(
+    obj: Any,
+    argument: str = "buf",
+    *,
+    writable: bool = True,
+    gpu_available: bool = False,
+) -> Buffer:
+    """Validate ``obj`` and return its :class:`Buffer`.
+
+    Raises :class:`~wagma_comm.errors.BufferError` for anything that is not a
+    usable contiguous DLPack buffer, and UnsupportedError for a GPU buffer when
+    no GPU transport is available. Nothing is communicated.
+    """
+    if not hasattr(obj, "__dlpack__") or not hasattr(obj, "__dlpack_device__"):
+        raise BufferError(
+            argument,
+            f"expected an object exporting DLPack (__dlpack__/__dlpack_device__, "
+            f"e.g. a NumPy array or a torch tensor), got {type(obj).__name__}",
+        )
+    dev_type, dev_id = _device_of(obj, argument)
+    if dev_type not in _HOST_DEVICES:
+        name = _DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
+        if dev_type in (DL_CUDA, DL_CUDA_MANAGED) and not gpu_available:
+            raise UnsupportedError(
+                argument,
+                f"{name}:{dev_id} buffer given but no GPU transport is available "
+                "(install the cuda12/cuda13 extra and run on a GPU machine)",
+            )
+        if dev_type not in (DL_CUDA, DL_CUDA_MANAGED):
+            raise UnsupportedError(argument, f"{name} buffers are not supported")
+    view = _parse(obj, argument, host=dev_type in _HOST_DEVICES)
+    dtype = dtypes.from_numpy(view.dtype)
+    if dtype is None:
+        raise BufferError(
+            argument,
+            f"unsupported dtype {view.dtype}; expected one of {sorted(dtypes.BY_NAME)}",
+        )
+    shape = tuple(int(s) for s in view.shape)
+    strides = None if view.strides is None else tuple(int(s) for s in view.strides)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count == 0:
+        raise BufferError(argument, f"buffer is empty (shape {shape}); nothing to reduce")
+    if not _is_c_contiguous(shape, strides):
+        raise BufferError(
+            argument,
+            f"buffer must be C-contiguous; got shape {shape} with element strides "
+            f"{strides} (call .contiguous() / np.ascontiguousarray first)",
+        )
+    if writable and view.readonly:
+        raise BufferError(
+            argument, "buffer is read-only but the collective writes its result in place"
+        )
+    device = "cpu" if dev_type in _HOST_DEVICES else "cuda"
+    return Buffer(obj, view, int(view.ptr), count, dtype, shape, device, dev_id)
+
+
+def _parse(obj: Any, argument: str, *, host: bool) -> Any:
+    from cuda.core.utils import StridedMemoryView  # deferred: import is not free
+
+    try:
+        # -1: the consumer does no stream ordering here (host memory has none);
+        # the GPU path passes its own stream instead.
+        return StridedMemoryView.from_dlpack(obj, stream_ptr=-1)
+    except Exception as exc:
+        raise BufferError(argument, f"DLPack export failed: {exc}") from exc

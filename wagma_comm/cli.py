@@ -1,0 +1,34 @@
+"""The ``wagma`` command: ``wagma schedule`` prints compiled schedules,
+``wagma bench`` runs the collective benchmark (under mpiexec)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .bench import cli as bench_cli
+    from .schedule import cli as schedule_cli
+
+    parser = argparse.ArgumentParser(prog="wagma", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"wagma_comm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    schedule_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .bench import cli as bench_cli
+    from .schedule import cli as schedule_cli
+
+    args = build_parser().parse_args(argv)
+    commands = {"schedule": schedule_cli.run, "bench": bench_cli.run}
+    return int(commands[args.command](args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

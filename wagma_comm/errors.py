@@ -1,0 +1,136 @@
+"""The exception taxonomy of wagma_comm.
+
+Every error the library raises on purpose derives from :class:`WagmaError`, so a
+trainer can catch one base class. Each subclass says when it is raised; pick the
+narrowest one. Errors that are caught locally (bad input) are raised before any
+communication happens, and leave the communicator usable.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+class WagmaError(Exception):
+    """Base class of every error raised by wagma_comm."""
+
+
+class InvalidArgumentError(WagmaError, ValueError):
+    """An argument has the wrong value (unknown op, group size out of range, ...).
+
+    Raised on the calling rank before any communication; the communicator stays
+    usable. ``argument`` names the offending parameter.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class BufferError(WagmaError, TypeError):  # noqa: A001 (shadows the builtin on purpose)
+    """A buffer cannot be used: no DLPack, non-contiguous, read-only, wrong dtype.
+
+    Raised on the calling rank before any communication; the communicator stays
+    usable. ``argument`` names the parameter that carried the buffer.
+    """
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class UnsupportedError(WagmaError, NotImplementedError):
+    """A valid request this build or transport cannot serve (e.g. a GPU buffer
+    with no GPU transport, a native MPI reduction of bfloat16)."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument
+
+
+class CommunicatorClosedError(WagmaError, RuntimeError):
+    """The communicator was closed (or broken by an earlier failure) and cannot
+    start new work."""
+
+
+class WaitTimeoutError(WagmaError, TimeoutError):
+    """``Handle.wait(timeout)`` returned before the collective finished. The
+    collective is still running and the handle can be waited on again; the
+    collective's own deadline is what turns a hang into CollectiveTimeoutError."""
+
+
+class CollectiveError(WagmaError, RuntimeError):
+    """A collective failed while communicating. Carries what failed and where.
+
+    Attributes: ``collective`` (name), ``round`` (the collective's sequence number
+    on this communicator), ``ranks`` (the ranks blamed: missing or mismatching).
+    """
+
+    def __init__(
+        self,
+        collective: str,
+        round: int,
+        ranks: Iterable[int],
+        message: str,
+    ) -> None:
+        self.collective = collective
+        self.round = round
+        self.ranks: tuple[int, ...] = tuple(sorted(set(ranks)))
+        super().__init__(
+            f"{collective} (round {round}): {message}"
+            + (f"; ranks: {list(self.ranks)}" if self.ranks else "")
+        )
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """A collective did not complete within its timeout. ``ranks`` are the peers
+    this rank was still waiting for. The communicator is broken afterwards: MPI
+    messages of the abandoned collective may still be in flight, so reusing it
+    could match them against later collectives."""
+
+
+class MismatchError(CollectiveError):
+    """Ranks called different collectives, or the same one with different sizes,
+    dtypes or ops (detected when ``WAGMA_DEBUG=1``). ``ranks`` are the ranks whose
+    call differs from this rank's; ``details`` maps each to its call."""
+
+    def __init__(
+        self,
+        collective: str,
+        round: int,
+        details: dict[int, str],
+        mine: str,
+    ) -> None:
+        self.details = dict(details)
+        lines = "; ".join(f"rank {r} called {d}" for r, d in sorted(details.items()))
+        super().__init__(
+            collective, round, details.keys(), f"this rank called {mine} but {lines}"
+        )
+
+
+class TransportError(WagmaError, RuntimeError):
+    """The transport (MPI, NCCL) reported an error; ``code`` is its native code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message if code is None else f"{message} (code {code})")
+        self.code = code
+
+
+class ScheduleError(WagmaError, ValueError):
+    """A schedule is malformed or does not compute its collective (raised by the
+    builder and the verifier)."""
+
+
+__all__: Sequence[str] = [
+    "WagmaError",
+    "InvalidArgumentError",
+    "BufferError",
+    "UnsupportedError",
+    "CommunicatorClosedError",
+    "WaitTimeoutError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "MismatchError",
+    "TransportError",
+    "ScheduleError",
+]

@@ -1,0 +1,418 @@
+"""The progress engine: one thread per communicator owns every transport call.
+
+Application threads only *submit* work (a :class:`Work`: one or more stages,
+each a compiled schedule over arrays); the progress thread starts it in
+submission order, issues each op once its dependencies are done, polls the
+transport for all outstanding requests with one call, retires completed ops and
+completes handles. Many collectives can be in flight and finish in any order.
+
+Why one thread: MPI progress and (later) NCCL's ordering rule both want a single
+issuer, and it keeps the transports single-threaded code. Why stages: debug
+fingerprints and communicator set-up are just small schedules run before the
+collective's own, on their own channels.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..dtypes import DType
+from ..errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    TransportError,
+    WagmaError,
+)
+from ..kernels import host as host_kernels
+from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
+from ..transport.base import Transport
+from .handle import Handle
+
+# Polling policy: spin (yielding the CPU) while requests are outstanding, and
+# only after this long without any completion fall back to short sleeps, so a
+# rank waiting on a straggler does not burn a core the others need.
+_SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
+_MAX_SLEEP_S = 1e-3
+_IDLE_WAIT_S = 1.0
+_POOL_LIMIT_BYTES = 512 << 20
+
+
+@dataclass
+class Stage:
+    """One schedule to run on ``arrays`` (``"data"`` plus any scratch the caller
+    provides; missing scratch is taken from the engine's pool). ``on_done`` runs
+    on the progress thread after the last op and may raise to fail the work."""
+
+    schedule: Schedule
+    channel: str
+    arrays: dict[str, np.ndarray]
+    dtype: DType
+    on_done: Callable[[], None] | None = None
+
+
+@dataclass
+class Work:
+    """A submitted collective: its stages run one after the other."""
+
+    seq: int
+    collective: str
+    handle: Handle
+    stages: list[Stage]
+    deadline: float
+    timeout: float
+    result: Any = None
+    keepalive: Any = None  # the user's buffer, alive until completion
+
+
+class _Run:
+    """Execution state of the current stage of one Work."""
+
+    __slots__ = ("work", "stage_index", "stage", "ops", "succ", "remaining", "ready",
+                 "completed", "posted", "arrays", "borrowed")
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+        self.stage_index = -1
+        self.borrowed: list[np.ndarray] = []
+        self.ready: deque[int] = deque()
+        self.posted: dict[int, Any] = {}
+
+    def enter(self, index: int, plan: tuple[tuple[tuple[int, ...], ...], list[int]],
+              arrays: dict[str, np.ndarray]) -> None:
+        self.stage_index = index
+        self.stage = self.work.stages[index]
+        self.ops = self.stage.schedule.ops
+        self.succ, indegree = plan
+        self.remaining = list(indegree)
+        self.ready = deque(i for i, d in enumerate(indegree) if d == 0)
+        self.completed = 0
+        self.posted: dict[int, Any] = {}
+        self.arrays = arrays
+
+
+def _plan(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    succ: list[list[int]] = [[] for _ in schedule.ops]
+    for i, deps in enumerate(schedule.deps):
+        for d in deps:
+            succ[d].append(i)
+    return tuple(tuple(s) for s in succ), [len(d) for d in schedule.deps]
+
+
+class _ScratchPool:
+    """Reuses scratch arrays: fresh large allocations page-fault on every call."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[np.dtype, int], list[np.ndarray]] = {}
+        self._bytes = 0
+
+    def take(self, dtype: np.dtype, count: int) -> np.ndarray:
+        stack = self._free.get((dtype, count))
+        if stack:
+            arr = stack.pop()
+            self._bytes -= arr.nbytes
+            return arr
+        return np.empty(count, dtype=dtype)
+
+    def give(self, arr: np.ndarray) -> None:
+        if self._bytes + arr.nbytes > _POOL_LIMIT_BYTES:
+            return
+        self._free.setdefault((arr.dtype, arr.size), []).append(arr)
+        self._bytes += arr.nbytes
+
+
+class Engine:
+    """Owns the progress thread of one communicator."""
+
+    def __init__(self, transport: Transport, name: str = "wagma-progress") -> None:
+        self._transport = transport
+        self._cv = threading.Condition()
+        self._incoming: deque[Work] = deque()
+        self._waiting: deque[Work] = deque()  # held back by the sequence window
+        self._active: list[_Run] = []
+        self._requests: list[Any] = []
+        self._owners: list[tuple[_Run, int]] = []
+        self._plans: dict[int, tuple[Schedule, Any]] = {}
+        self._pool = _ScratchPool()
+        self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
+        self._closing = False
+        self._cancel_pending = False
+        self.broken: WagmaError | None = None
+        self._stats = {"completed": 0, "failed": 0, "messages_sent": 0,
+                       "messages_received": 0, "bytes_sent": 0, "bytes_received": 0,
+                       "local_ops": 0, "polls": 0, "idle_wakeups": 0}
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    # -- application side -----------------------------------------------------
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, work: Work) -> None:
+        """Queue work (thread-safe). Order of submission is order of start."""
+        with self._cv:
+            if self._closing:
+                raise CommunicatorClosedError("communicator is closed")
+            if self.broken is not None:
+                raise CommunicatorClosedError(f"communicator is broken: {self.broken}")
+            self._incoming.append(work)
+            self._cv.notify()
+
+    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop the thread: drain in-flight work (each has a finite deadline), or
+        fail it with CommunicatorClosedError when ``cancel``."""
+        with self._cv:
+            self._closing = True
+            self._cancel_pending = cancel
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def statistics(self) -> dict[str, int]:
+        stats = dict(self._stats)
+        stats["in_flight"] = len(self._active) + len(self._incoming) + len(self._waiting)
+        return stats
+
+    # -- progress thread ------------------------------------------------------
+    def _main(self) -> None:
+        idle_since = time.monotonic()
+        sleep_s = 0.0
+        while True:
+            with self._cv:
+                while (not self._incoming and not self._active and not self._waiting
+                       and not self._closing):
+                    self._cv.wait(_IDLE_WAIT_S)
+                    self._stats["idle_wakeups"] += 1
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+                closing, cancel = self._closing, self._cancel_pending
+            if cancel:
+                self._fail_all(CommunicatorClosedError("communicator closed while in flight"))
+            if closing and not self._active and not self._waiting:
+                return
+            progressed = self._start_waiting()
+            try:
+                for run in list(self._active):
+                    progressed |= self._advance(run)
+                progressed |= self._poll()
+            except TransportError as exc:
+                self._break(exc)
+                continue
+            self._check_deadlines()
+            if progressed:
+                idle_since, sleep_s = time.monotonic(), 0.0
+            elif time.monotonic() - idle_since < _SPIN_S:
+                os.sched_yield()
+            else:
+                sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
+                time.sleep(sleep_s)
+
+    def _start_waiting(self) -> bool:
+        started = False
+        window = self._transport.seq_window
+        while self._waiting:
+            work = self._waiting[0]
+            if self._active and work.seq - self._active[0].work.seq >= window:
+                break  # would reuse a live message identity: wait
+            self._waiting.popleft()
+            run = _Run(work)
+            self._active.append(run)
+            self._enter_stage(run, 0)
+            started = True
+        return started
+
+    def _enter_stage(self, run: _Run, index: int) -> None:
+        stage = run.work.stages[index]
+        sched = stage.schedule
+        cached = self._plans.get(id(sched))
+        if cached is None or cached[0] is not sched:
+            cached = (sched, _plan(sched))
+            self._plans[id(sched)] = cached
+        arrays = dict(stage.arrays)
+        for name, count in sched.scratch:
+            if name not in arrays:
+                arr = self._pool.take(stage.dtype.storage, count)
+                run.borrowed.append(arr)
+                arrays[name] = arr
+        run.enter(index, cached[1], arrays)
+        if not sched.ops:
+            self._stage_done(run)
+
+    def _view(self, run: _Run, slot: Slot) -> np.ndarray:
+        return run.arrays[slot.buf][slot.offset:slot.offset + slot.count]
+
+    def _advance(self, run: _Run) -> bool:
+        """Issue every ready op of ``run``; local ops run here and now."""
+        if not run.ready or run.work.handle.done:
+            return False
+        transport, stats = self._transport, self._stats
+        seq, channel = run.work.seq, run.stage.channel
+        while run.ready and run.stage_index >= 0:
+            i = run.ready.popleft()
+            op = run.ops[i]
+            try:
+                if isinstance(op, Send):
+                    arr = self._view(run, op.src)
+                    self._post(run, i, transport.isend(arr, op.peer, channel, seq, op.msg))
+                    stats["messages_sent"] += 1
+                    stats["bytes_sent"] += arr.nbytes
+                elif isinstance(op, Recv):
+                    arr = self._view(run, op.dst)
+                    self._post(run, i, transport.irecv(arr, op.peer, channel, seq, op.msg))
+                elif isinstance(op, Native):
+                    self._post(run, i, self._native(run, op))
+                else:
+                    self._local(run, op)
+                    self._op_done(run, i)
+            except TransportError:
+                raise
+            except WagmaError as exc:
+                self._finish(run, error=exc)
+                return True
+            except Exception as exc:  # a kernel or MPI binding failure: fail this work
+                self._finish(run, error=TransportError(
+                    f"{run.work.collective} (round {seq}): {type(exc).__name__}: {exc}"))
+                return True
+        return True
+
+    def _native(self, run: _Run, op: Native) -> Any:
+        arr = self._view(run, op.buf)
+        if op.kind == "allreduce":
+            return self._transport.native_allreduce(arr, op.op, run.stage.dtype, op.ranks)
+        return self._transport.native_broadcast(arr, op.root, op.ranks)
+
+    def _local(self, run: _Run, op: Any) -> None:
+        dtype = run.stage.dtype
+        if isinstance(op, Reduce):
+            host_kernels.reduce_into(self._view(run, op.dst), self._view(run, op.src),
+                                     op.op, dtype)
+        elif isinstance(op, Copy):
+            np.copyto(self._view(run, op.dst), self._view(run, op.src))
+        elif isinstance(op, Scale):
+            host_kernels.scale_into(self._view(run, op.dst), op.divisor, dtype)
+        else:
+            raise TypeError(f"unknown op {op!r}")
+        self._stats["local_ops"] += 1
+
+    def _post(self, run: _Run, index: int, request: Any) -> None:
+        run.posted[index] = request
+        self._requests.append(request)
+        self._owners.append((run, index))
+
+    def _poll(self) -> bool:
+        if not self._requests:
+            return False
+        self._stats["polls"] += 1
+        done = self._transport.test_some(self._requests)
+        if not done:
+            return False
+        # Compact first: retiring an op can finish or fail a run, which edits
+        # the request lists itself.
+        finished = set(done)
+        completions = [self._owners[idx] for idx in done]
+        keep = [k for k in range(len(self._owners)) if k not in finished]
+        self._requests = [self._requests[k] for k in keep]
+        self._owners = [self._owners[k] for k in keep]
+        for run, i in completions:
+            if run.posted.pop(i, None) is None:
+                continue  # its run already failed
+            op = run.ops[i]
+            if isinstance(op, Recv):
+                self._stats["messages_received"] += 1
+                self._stats["bytes_received"] += op.dst.count * run.stage.dtype.itemsize
+            self._op_done(run, i)
+        return True
+
+    def _op_done(self, run: _Run, index: int) -> None:
+        run.completed += 1
+        remaining, ready = run.remaining, run.ready
+        for s in run.succ[index]:
+            remaining[s] -= 1
+            if remaining[s] == 0:
+                ready.append(s)
+        if run.completed == len(run.ops):
+            self._stage_done(run)
+
+    def _stage_done(self, run: _Run) -> None:
+        stage = run.stage
+        if stage.on_done is not None:
+            try:
+                stage.on_done()
+            except WagmaError as exc:
+                self._finish(run, error=exc)
+                return
+        if run.stage_index + 1 < len(run.work.stages):
+            self._enter_stage(run, run.stage_index + 1)
+        else:
+            self._finish(run, result=run.work.result)
+
+    def _finish(self, run: _Run, result: Any = None, error: BaseException | None = None) -> None:
+        if run in self._active:
+            self._active.remove(run)
+        if run.posted:  # failed with requests outstanding: drop them
+            for req in run.posted.values():
+                self._transport.abandon(req)
+            self._abandoned.append(run.work.keepalive)
+            self._abandoned.extend(run.borrowed)
+            pairs = [(r, o) for r, o in zip(self._requests, self._owners) if o[0] is not run]
+            self._requests = [r for r, _ in pairs]
+            self._owners = [o for _, o in pairs]
+            run.posted.clear()
+        else:
+            for arr in run.borrowed:
+                self._pool.give(arr)
+        run.stage_index = -1
+        run.ready.clear()
+        self._stats["completed" if error is None else "failed"] += 1
+        run.work.handle._complete(result, error)
+
+    def _check_deadlines(self) -> None:
+        if not self._active:
+            return
+        now = time.monotonic()
+        for run in list(self._active):
+            if now > run.work.deadline:
+                error = self._timeout_error(run)
+                self._finish(run, error=error)
+                self.broken = self.broken or error
+
+    def _timeout_error(self, run: _Run) -> CollectiveTimeoutError:
+        waiting = sorted({run.ops[i].peer for i in run.posted
+                          if isinstance(run.ops[i], Recv)})
+        if not waiting:
+            waiting = sorted({r for i in run.posted for r in _peers_of(run.ops[i], run)})
+        what = ("debug fingerprint exchange" if run.stage.channel == "debug"
+                else "group set-up" if run.stage.channel == "setup" else "data exchange")
+        return CollectiveTimeoutError(
+            run.work.collective, run.work.seq, waiting,
+            f"timed out after {run.work.timeout:g} s in its {what}, "
+            f"still waiting for messages from {len(waiting)} rank(s)",
+        )
+
+    def _break(self, error: TransportError) -> None:
+        self.broken = self.broken or error
+        self._fail_all(error)
+
+    def _fail_all(self, error: WagmaError) -> None:
+        for run in list(self._active):
+            self._finish(run, error=error)
+        while self._waiting:
+            work = self._waiting.popleft()
+            self._stats["failed"] += 1
+            work.handle._complete(None, error)
+
+
+def _peers_of(op: Any, run: _Run) -> Sequence[int]:
+    if isinstance(op, (Send, Recv)):
+        return (op.peer,)
+    if isinstance(op, Native):
+        return tuple(r for r in op.ranks if r != run.stage.schedule.rank)
+    return ()
+
+
+__all__ = ["Engine", "Stage", "Work", "DATA"]

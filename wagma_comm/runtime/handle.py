@@ -1,0 +1,94 @@
+"""Handle: the application's side of an in-flight collective."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import WaitTimeoutError
+
+# How long a waiter trusts the engine past the collective's own deadline before
+# concluding the progress thread itself is gone (it fails runs at the deadline).
+_GRACE_S = 5.0
+
+
+class Handle:
+    """Completion of one non-blocking collective.
+
+    ``wait()`` returns the collective's result (the user's buffer, or what the
+    collective defines) or raises the collective's error. Handles complete in any
+    order; each is completed exactly once by the progress thread.
+    """
+
+    __slots__ = ("collective", "round", "_event", "_result", "_error", "_deadline",
+                 "_engine_alive", "_on_wait", "started", "finished")
+
+    def __init__(self, collective: str, round: int, deadline: float,
+                 engine_alive: Callable[[], bool]) -> None:
+        self.collective = collective
+        self.round = round
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._deadline = deadline
+        self._engine_alive = engine_alive
+        self.started = time.monotonic()
+        self.finished: float | None = None
+
+    # -- progress-thread side ----------------------------------------------
+    def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self.finished = time.monotonic()
+        self._event.set()
+
+    # -- application side -----------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """True once the collective finished (successfully or not)."""
+        return self._event.is_set()
+
+    def test(self) -> bool:
+        """Non-blocking: True if finished. Raises the collective's error if it
+        failed, so a polling loop cannot miss a failure."""
+        if not self._event.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until finished and return the result.
+
+        Without ``timeout`` it waits at most until the collective's own deadline
+        (when the engine turns a hang into CollectiveTimeoutError). With
+        ``timeout`` it raises WaitTimeoutError after that many seconds, and the
+        collective keeps running.
+        """
+        if timeout is not None:
+            if not self._event.wait(timeout):
+                raise WaitTimeoutError(
+                    f"{self.collective} (round {self.round}) still running after "
+                    f"wait({timeout}); call wait() again"
+                )
+        else:
+            while not self._event.wait(0.5):
+                if not self._engine_alive() or time.monotonic() > self._deadline + _GRACE_S:
+                    from ..errors import CommunicatorClosedError
+
+                    raise CommunicatorClosedError(
+                        f"{self.collective} (round {self.round}): the progress engine "
+                        "stopped before completing it"
+                    )
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @property
+    def elapsed(self) -> float | None:
+        """Seconds from submission to completion (None while running)."""
+        return None if self.finished is None else self.finished - self.started
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "pending"
+        return f"<Handle {self.collective} round={self.round} {state}>"

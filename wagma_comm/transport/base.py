@@ -1,0 +1,85 @@
+"""The interface every transport (MPI for host memory, NCCL for GPU memory)
+implements. The progress engine is its only caller, from one thread.
+
+A transport moves bytes and may run a whole collective natively; it knows
+nothing of schedules' meaning, groups or WAGMA. Message identity is explicit:
+``(channel, seq, msg)`` where ``seq`` is the collective's sequence number on the
+communicator and ``msg`` the message's number between the two ranks within it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..dtypes import DType
+
+# Channels keep traffic of different purposes apart (each maps to its own
+# duplicated communicator or tag space), so a debug fingerprint can never be
+# matched against collective data.
+CHANNEL_DATA = "data"
+CHANNEL_DEBUG = "debug"
+CHANNEL_SETUP = "setup"
+CHANNELS = (CHANNEL_DATA, CHANNEL_DEBUG, CHANNEL_SETUP)
+
+
+class Transport(ABC):
+    """Point-to-point and native collective calls, all non-blocking."""
+
+    name: str
+    rank: int
+    size: int
+
+    @property
+    @abstractmethod
+    def seq_window(self) -> int:
+        """How many consecutive sequence numbers have distinct message
+        identities; the engine never has collectives further apart than this in
+        flight, so identities never wrap silently."""
+
+    @abstractmethod
+    def isend(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
+        """Start sending ``array``; returns a request for :meth:`test_some`."""
+
+    @abstractmethod
+    def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
+        """Start receiving into ``array``; returns a request."""
+
+    @abstractmethod
+    def has_group(self, ranks: Sequence[int]) -> bool:
+        """Whether a native collective over ``ranks`` can start without setup."""
+
+    @abstractmethod
+    def create_group(self, ranks: Sequence[int]) -> None:
+        """Create what native collectives over ``ranks`` need. Blocking and
+        collective over ``ranks``: the engine calls it only after a barrier over
+        them completed, so every member is known to be present."""
+
+    @abstractmethod
+    def native_allreduce(self, array: np.ndarray, op: str, dtype: DType,
+                         ranks: Sequence[int]) -> Any:
+        """Start an allreduce over ``ranks`` in place; returns a request."""
+
+    @abstractmethod
+    def native_broadcast(self, array: np.ndarray, root: int, ranks: Sequence[int]) -> Any:
+        """Start a broadcast from global rank ``root`` over ``ranks``."""
+
+    @abstractmethod
+    def supports_native(self, op: str, dtype: DType) -> bool:
+        """Whether :meth:`native_allreduce` can reduce ``dtype`` with ``op``."""
+
+    @abstractmethod
+    def test_some(self, requests: list[Any]) -> list[int]:
+        """Indices of completed requests (completed entries are replaced by a
+        null request in place). Raises TransportError on a failed request."""
+
+    @abstractmethod
+    def abandon(self, request: Any) -> None:
+        """Give up on a request after a timeout (cancel a receive; a send is
+        left to finish on its own)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release communicators."""

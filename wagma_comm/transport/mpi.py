@@ -1,0 +1,121 @@
+"""Host memory over MPI (mpi4py).
+
+Each channel is its own duplicate of the user's communicator, so user MPI
+traffic and ours can never match each other. Within a channel the MPI tag is
+``(seq mod window) << MSG_BITS | msg``: the window is derived from MPI_TAG_UB and
+the engine never lets two collectives ``window`` apart be in flight together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..dtypes import DType
+from ..errors import TransportError
+from .base import CHANNELS, Transport
+
+MSG_BITS = 15  # messages per peer per collective: the schedule builder enforces it
+
+_MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+
+class MPITransport(Transport):
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm) -> None:
+        self._comms = {ch: comm.Dup() for ch in CHANNELS}
+        for c in self._comms.values():
+            c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+        self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
+        # Group creation gets a communicator of its own: Create_group's tag
+        # must not collide with any (seq, msg) tag of a channel.
+        self._create_comm = comm.Dup()
+        self._world_group = self._comms[CHANNELS[0]].Get_group()
+        self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+
+    @property
+    def seq_window(self) -> int:
+        return self._window
+
+    def _tag(self, seq: int, msg: int) -> int:
+        return ((seq % self._window) << MSG_BITS) | msg
+
+    def isend(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
+        return self._comms[channel].Isend(array, peer, self._tag(seq, msg))
+
+    def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
+        return self._comms[channel].Irecv(array, peer, self._tag(seq, msg))
+
+    # -- native collectives -------------------------------------------------
+    def _group_comm(self, ranks: Sequence[int]) -> MPI.Comm:
+        key = tuple(ranks)
+        if len(key) == self.size and key == tuple(range(self.size)):
+            return self._comms["data"]
+        return self._groups[key]
+
+    def has_group(self, ranks: Sequence[int]) -> bool:
+        key = tuple(ranks)
+        return key == tuple(range(self.size)) or key in self._groups
+
+    def create_group(self, ranks: Sequence[int]) -> None:
+        key = tuple(ranks)
+        if self.has_group(key):
+            return
+        group = self._world_group.Incl(list(key))
+        try:
+            comm = self._create_comm.Create_group(group, tag=0)
+        finally:
+            group.Free()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._groups[key] = comm
+
+    def supports_native(self, op: str, dtype: DType) -> bool:
+        return dtype.mpi_name is not None and op in _MPI_OPS
+
+    def native_allreduce(self, array: np.ndarray, op: str, dtype: DType,
+                         ranks: Sequence[int]) -> Any:
+        if not self.supports_native(op, dtype):
+            raise TransportError(f"MPI cannot reduce {dtype.name} with {op}")
+        mpi_type = getattr(MPI, dtype.mpi_name)  # type: ignore[arg-type]
+        return self._group_comm(ranks).Iallreduce(
+            MPI.IN_PLACE, [array, mpi_type], _MPI_OPS[op]
+        )
+
+    def native_broadcast(self, array: np.ndarray, root: int, ranks: Sequence[int]) -> Any:
+        local_root = list(ranks).index(root)
+        return self._group_comm(ranks).Ibcast([array, MPI.BYTE], root=local_root)
+
+    # -- progress -------------------------------------------------------------
+    def test_some(self, requests: list[Any]) -> list[int]:
+        try:
+            done = MPI.Request.Testsome(requests)
+        except MPI.Exception as exc:
+            raise TransportError(f"MPI error: {exc.Get_error_string()}",
+                                 exc.Get_error_code()) from exc
+        return done or []
+
+    def abandon(self, request: Any) -> None:
+        try:
+            request.Cancel()
+        except MPI.Exception:
+            pass
+
+    def close(self) -> None:
+        comms = list(self._groups.values()) + list(self._comms.values()) + [self._create_comm]
+        for comm in comms:
+            try:
+                comm.Free()
+            except MPI.Exception:
+                pass
+        self._groups.clear()
+        self._comms.clear()
+        try:
+            self._world_group.Free()
+        except MPI.Exception:
+            pass
