@@ -50,6 +50,8 @@ class Buffer:
 
     def host_array(self) -> np.ndarray:
         """A flat writable NumPy view (kernel storage dtype) of host memory."""
+        if type(self.owner) is np.ndarray:
+            return self.owner.reshape(-1).view(self.dtype.storage)
         raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
         return np.frombuffer(raw, dtype=self.dtype.storage)
 
@@ -92,6 +94,8 @@ def as_buffer(
             f"expected an object exporting DLPack (__dlpack__/__dlpack_device__, "
             f"e.g. a NumPy array or a torch tensor), got {type(obj).__name__}",
         )
+    if type(obj) is np.ndarray:
+        return _from_numpy(obj, argument, writable)
     dev_type, dev_id = _device_of(obj, argument)
     if dev_type not in _HOST_DEVICES:
         name = _DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
@@ -127,6 +131,32 @@ def as_buffer(
         )
     device = "cpu" if dev_type in _HOST_DEVICES else "cuda"
     return Buffer(obj, view, int(view.ptr), count, dtype, shape, device, dev_id)
+
+
+def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
+    """NumPy arrays describe themselves (the same facts DLPack would carry), and
+    NumPy refuses to export ml_dtypes' bfloat16 through DLPack at all: read the
+    array directly. Also the cheapest path for the most common host buffer."""
+    dtype = dtypes.from_numpy(arr.dtype)
+    if dtype is None:
+        raise BufferError(
+            argument,
+            f"unsupported dtype {arr.dtype}; expected one of {sorted(dtypes.BY_NAME)}",
+        )
+    if arr.size == 0:
+        raise BufferError(argument, f"buffer is empty (shape {arr.shape}); nothing to reduce")
+    if not arr.flags.c_contiguous:
+        strides = tuple(s // arr.itemsize for s in arr.strides)
+        raise BufferError(
+            argument,
+            f"buffer must be C-contiguous; got shape {arr.shape} with element strides "
+            f"{strides} (call .contiguous() / np.ascontiguousarray first)",
+        )
+    if writable and not arr.flags.writeable:
+        raise BufferError(
+            argument, "buffer is read-only but the collective writes its result in place"
+        )
+    return Buffer(arr, arr, arr.ctypes.data, arr.size, dtype, arr.shape, "cpu", 0)
 
 
 def _parse(obj: Any, argument: str, *, host: bool) -> Any:

@@ -1,0 +1,658 @@
+"""Host reduction kernels (wagma_comm.kernels.host): bit-exact numerics, no MPI.
+
+References are NumPy / ml_dtypes / PyTorch conversions and float64 arithmetic;
+every float comparison is on bit patterns. NaN rule under test: reduce/scale/
+average write the canonical quiet NaN; conversions keep sign + top payload bits
+and set the quiet bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import njit
+
+from wagma_comm import dtypes as D
+from wagma_comm.errors import BufferError, InvalidArgumentError
+from wagma_comm.kernels import host as H
+
+HALVES = [(D.FLOAT16, np.dtype(np.float16)), (D.BFLOAT16, np.dtype(ml_dtypes.bfloat16))]
+HALF_IDS = ["float16", "bfloat16"]
+LENGTHS = [0, 1, 7, 1023, 4097]
+OPS = ["sum", "prod", "max", "min"]
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+CANON_NAN = {"float16": 0x7E00, "bfloat16": 0x7FC0, "float32": 0x7FC00000,
+             "float64": 0x7FF8000000000000}
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(UINT[a.dtype.itemsize])
+
+
+def half_isnan(u: np.ndarray, dt: D.DType) -> np.ndarray:
+    inf = 0x7C00 if dt.name == "float16" else 0x7F80
+    return (u & 0x7FFF) > inf
+
+
+def isnan_storage(a: np.ndarray, dt: D.DType) -> np.ndarray:
+    return half_isnan(a, dt) if dt.is_half else np.isnan(a)
+
+
+def assert_bits(got: np.ndarray, ref: np.ndarray, dt: D.DType) -> None:
+    """Bit-exact equality; where the reference is NaN the result must be the
+    canonical NaN (the reference's payload is whatever NumPy happened to keep)."""
+    got = np.asarray(got)
+    ref = np.asarray(ref)
+    assert got.shape == ref.shape
+    if not dt.is_float:
+        np.testing.assert_array_equal(got, ref)
+        return
+    gb, rb = bits(got), bits(ref)
+    nan = isnan_storage(ref.view(got.dtype) if dt.is_half else ref, dt)
+    assert np.all(gb[nan] == CANON_NAN[dt.name]), "NaN results must be canonical"
+    bad = np.nonzero(gb[~nan] != rb[~nan])[0]
+    assert bad.size == 0, (
+        f"{bad.size} mismatches, first at {np.nonzero(~nan)[0][bad[0]]}: "
+        f"got {hex(int(gb[~nan][bad[0]]))} expected {hex(int(rb[~nan][bad[0]]))}"
+    )
+
+
+def ordered(u: np.ndarray) -> np.ndarray:
+    """Half bit patterns -> integers in value order (for ulp distances)."""
+    u = u.astype(np.int64)
+    mag = u & 0x7FFF
+    return np.where(u & 0x8000, -mag, mag)
+
+
+def round_f64_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Correctly rounded float64 -> bfloat16 bits (ml_dtypes rounds through
+    float32, i.e. twice): round to odd into float32, then RNE to bfloat16."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(np.float32)
+    u = f.view(np.uint32).copy()
+    exact = f.astype(np.float64) == x
+    finite = np.isfinite(f)
+    away = ~exact & finite & (np.abs(f.astype(np.float64)) > np.abs(x))
+    u[away] -= 1  # step the magnitude toward zero: truncation
+    u[~exact & finite] |= 1  # sticky bit: round to odd
+    return u.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def round_f64_to_half(x: np.ndarray, dt: D.DType) -> np.ndarray:
+    if dt.name == "float16":
+        with np.errstate(over="ignore"):
+            return np.asarray(x, np.float64).astype(np.float16).view(np.uint16)  # direct RNE
+    return round_f64_to_bf16(x)
+
+
+def widen_ref(u: np.ndarray, npdt: np.dtype, to=np.float32) -> np.ndarray:
+    return u.view(npdt).astype(to)
+
+
+def sample(dt: D.DType, n: int, rng: np.random.Generator, specials: bool = True) -> np.ndarray:
+    """Random values of dtype storage: mostly well-scaled, some specials."""
+    if not dt.is_float:
+        info = np.iinfo(dt.storage)
+        return rng.integers(info.min, info.max, n, dtype=dt.storage, endpoint=True)
+    x = rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 4, n)
+    if dt.is_half:
+        out = x.astype(np.float32).astype(dt.numpy).view(np.uint16)
+        if specials and n:
+            k = max(1, n // 8)
+            idx = rng.integers(0, n, k)
+            out[idx] = rng.integers(0, 1 << 16, k, dtype=np.uint16)  # any pattern
+            sp = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x7C00 if dt.name == "float16"
+                           else 0x7F80, 0xFC00 if dt.name == "float16" else 0xFF80],
+                          np.uint16)
+            out[rng.integers(0, n, k)] = rng.choice(sp, k)
+        return out
+    out = x.astype(dt.storage)
+    if specials and n:
+        k = max(1, n // 8)
+        fi = np.finfo(dt.storage)
+        sp = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, fi.max, -fi.max,
+                       fi.smallest_subnormal, -fi.smallest_normal], dt.storage)
+        out[rng.integers(0, n, k)] = rng.choice(sp, k)
+        # NaNs with payloads and signs that differ from the canonical one
+        u = bits(out)
+        idx = rng.integers(0, n, max(1, n // 32))
+        if dt.name == "float32":
+            u[idx] = rng.choice(np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFFA5A5A5],
+                                         np.uint32), idx.size)
+        else:
+            u[idx] = rng.choice(np.array([0x7FF8000000000001, 0xFFF8000000000000,
+                                          0x7FF0000000000001], np.uint64), idx.size)
+    return out
+
+
+def ref_float_op(a: np.ndarray, b: np.ndarray, op: str) -> np.ndarray:
+    """op in a's float precision; max/min give +0/-0 for mixed zeros."""
+    with np.errstate(all="ignore"):
+        if op == "sum":
+            return a + b
+        if op == "prod":
+            return a * b
+        zeros = (a == b) & (a == 0)
+        if op == "max":
+            r = np.maximum(a, b)
+            r[zeros] = (a + b)[zeros]
+        else:
+            r = np.minimum(a, b)
+            r[zeros] = (-((-a) + (-b)))[zeros]
+        return r
+
+
+def ref_reduce(a: np.ndarray, b: np.ndarray, op: str, dt: D.DType) -> np.ndarray:
+    if dt.is_half:
+        r = ref_float_op(widen_ref(a, dt.numpy), widen_ref(b, dt.numpy), op)
+        with np.errstate(all="ignore"):
+            return r.astype(dt.numpy).view(np.uint16)
+    if dt.is_float:
+        return ref_float_op(a, b, op)
+    ufunc = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
+    return ufunc(a, b)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240611)
+
+
+# ----------------------------------------------------------------- conversions
+
+ALL16 = np.arange(1 << 16, dtype=np.uint16)
+
+
+@njit(cache=False)
+def _soft_widen(src, out):  # type: ignore[no-untyped-def]
+    for i in range(src.size):
+        out[i] = H._f16_to_f32_soft(src[i])
+
+
+@njit(cache=False)
+def _soft_narrow(src, out):  # type: ignore[no-untyped-def]
+    for i in range(src.size):
+        out[i] = H._f32_to_f16_soft(src[i])
+
+
+def expected_widen(u: np.ndarray, npdt: np.dtype) -> np.ndarray:
+    """Reference float32 bits; NaNs: the reference's payload plus the quiet bit."""
+    ref = bits(u.view(npdt).astype(np.float32)).copy()
+    nan = np.isnan(u.view(npdt).astype(np.float32))
+    ref[nan] |= 0x00400000
+    return ref
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+def test_widen_all_patterns(dt: D.DType, npdt: np.dtype) -> None:
+    ref = expected_widen(ALL16, npdt)
+    np.testing.assert_array_equal(bits(H.to_float32(ALL16, dt)), ref)
+    scalar = H.f16_bits_to_f32 if dt.name == "float16" else H.bf16_bits_to_f32
+    got = np.array([scalar(int(h)) for h in ALL16], np.float32)
+    np.testing.assert_array_equal(bits(got), ref)
+    # uint16 scalars from a NumPy array take the same path
+    assert bits(np.array([scalar(np.uint16(0x3C01 if dt.name == "float16" else 0x3F81))],
+                         np.float32))[0] == ref[0x3C01 if dt.name == "float16" else 0x3F81]
+
+
+def test_f16_software_widen_all_patterns() -> None:
+    out = np.empty(ALL16.size, np.float32)
+    _soft_widen(ALL16, out)
+    np.testing.assert_array_equal(bits(out), expected_widen(ALL16, np.dtype(np.float16)))
+
+
+def narrow_vectors(dt: D.DType, npdt: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """float32 inputs that exercise every rounding decision of float32 -> half:
+    every half value, every midpoint between neighbouring halves (exact ties,
+    RNE), the float32 neighbours of each midpoint, the overflow threshold,
+    float32 subnormals, specials and random bit patterns."""
+    top = 0x7BFF if dt.name == "float16" else 0x7F7F
+    pos = np.arange(top + 1, dtype=np.uint16)
+    lo = pos.view(npdt).astype(np.float64)
+    hi = np.append(lo[1:], 65536.0 if dt.name == "float16" else 2.0 ** 128)
+    mid = ((lo + hi) / 2).astype(np.float32)  # exact: one bit more than a half
+    assert np.all(mid.astype(np.float64) == (lo + hi) / 2)
+    up = np.nextafter(mid, np.float32(np.inf))
+    down = np.nextafter(mid, np.float32(0))
+    vals = np.concatenate([lo.astype(np.float32), mid, up, down])
+    vals = np.concatenate([vals, -vals])
+    special = np.array([0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000,
+                        0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
+                        0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA5A5A5, 0x7FBFFFFF,
+                        0x7F802000, 0x7F801FFF, 0x7FFFFFFF, 0xFFFFFFFF, 0x477FF000,
+                        0x477FEFFF, 0x477FF001, 0x33000000, 0x33000001, 0x32FFFFFF,
+                        0x7F7F8000, 0x7F7F7FFF], np.uint32).view(np.float32)
+    rand = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32).view(np.float32)
+    return np.concatenate([vals, special, rand])
+
+
+def expected_narrow(x: np.ndarray, dt: D.DType, npdt: np.dtype) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        ref = x.astype(npdt).view(np.uint16).copy()
+    u = bits(x)
+    nan = np.isnan(x)
+    sign = ((u >> 16) & 0x8000).astype(np.uint16)
+    if dt.name == "float16":
+        ref[nan] = sign[nan] | 0x7E00 | ((u[nan] >> 13) & 0x3FF).astype(np.uint16)
+    else:
+        ref[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return ref
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+def test_narrow_rne_ties_subnormals_overflow_nan(dt: D.DType, npdt: np.dtype,
+                                                 rng: np.random.Generator) -> None:
+    x = narrow_vectors(dt, npdt, rng)
+    ref = expected_narrow(x, dt, npdt)
+    got = H.from_float32(x, dt)
+    bad = np.nonzero(got != ref)[0]
+    assert bad.size == 0, f"{hex(int(bits(x)[bad[0]]))}: {hex(int(got[bad[0]]))} != {hex(int(ref[bad[0]]))}"
+    scalar = H.f32_to_f16_bits if dt.name == "float16" else H.f32_to_bf16_bits
+    some = np.concatenate([x[:: max(1, x.size // 5000)], x[-(1 << 20) - 27:-(1 << 20)]])
+    some_ref = expected_narrow(some, dt, npdt)
+    assert [scalar(v) for v in some] == some_ref.tolist()
+
+
+def test_narrow_known_values() -> None:
+    """Spot values with well-known answers, independent of NumPy."""
+    f = np.array([1.0, 65504.0, 65519.99, 65520.0, 2.0 ** -24, 2.0 ** -25,
+                  2.0 ** -25 * 1.0000001, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11], np.float32)
+    assert H.from_float32(f, D.FLOAT16).tolist() == [
+        0x3C00, 0x7BFF, 0x7BFF, 0x7C00, 0x0001, 0x0000, 0x0001, 0x3C00, 0x3C02]
+    g = np.array([1.0, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 0.0, 0.0, -0.0], np.float32)
+    g.view(np.uint32)[3:5] = [0x7F7F8000, 0x7F7F7FFF]  # tie above bf16 max (odd): inf
+    assert H.from_float32(g, D.BFLOAT16).tolist() == [
+        0x3F80, 0x3F80, 0x3F82, 0x7F80, 0x7F7F, 0x8000]
+    assert H.f32_to_bf16_bits(np.float32(np.nan)) == 0x7FC0
+    assert H.f32_to_f16_bits(-np.inf) == 0xFC00
+
+
+def test_f16_software_narrow(rng: np.random.Generator) -> None:
+    npdt = np.dtype(np.float16)
+    x = narrow_vectors(D.FLOAT16, npdt, rng)
+    out = np.empty(x.size, np.uint16)
+    _soft_narrow(x, out)
+    np.testing.assert_array_equal(out, expected_narrow(x, D.FLOAT16, npdt))
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+def test_roundtrip_identity(dt: D.DType, npdt: np.dtype) -> None:
+    """Widening then narrowing returns every non-NaN pattern unchanged."""
+    back = H.from_float32(H.to_float32(ALL16, dt), dt)
+    nan = half_isnan(ALL16, dt)
+    np.testing.assert_array_equal(back[~nan], ALL16[~nan])
+    assert np.all(half_isnan(back[nan], dt))
+
+
+# ----------------------------------------------------------------- reduce_into
+
+
+def buffers(dt: D.DType, n: int, rng: np.random.Generator, offset: int = 0):
+    """Two sample arrays, optionally starting `offset` elements into a larger
+    buffer so that the aligned-peel path sees every misalignment."""
+    a = sample(dt, n + offset, rng)[offset:]
+    b = sample(dt, n + offset, rng)[offset:]
+    return a, b
+
+
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_reduce_matches_reference(dt: D.DType, op: str, n: int,
+                                  rng: np.random.Generator) -> None:
+    for offset in (0, 3):
+        a, b = buffers(dt, n, rng, offset)
+        ref = ref_reduce(a, b, op, dt)
+        got = a.copy() if offset == 0 else a  # exercise unaligned in-place too
+        H.reduce_into(got, b, op, dt)
+        assert_bits(got, ref, dt)
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+@pytest.mark.parametrize("op", ["sum", "prod"])
+def test_half_reduce_is_correctly_rounded(dt: D.DType, npdt: np.dtype, op: str,
+                                          rng: np.random.Generator) -> None:
+    """float32 is wide enough (>= 2p+2 bits) that widen-op-round equals the
+    correctly rounded float64 result."""
+    a = rng.integers(0, 1 << 16, 200_000, dtype=np.uint16)
+    b = rng.integers(0, 1 << 16, 200_000, dtype=np.uint16)
+    keep = ~(half_isnan(a, dt) | half_isnan(b, dt))
+    a, b = a[keep], b[keep]
+    a64, b64 = widen_ref(a, npdt, np.float64), widen_ref(b, npdt, np.float64)
+    with np.errstate(all="ignore"):
+        exact = a64 + b64 if op == "sum" else a64 * b64
+    ref = round_f64_to_half(exact, dt)
+    got = a.copy()
+    H.reduce_into(got, b, op, dt)
+    assert_bits(got, ref.view(np.uint16), dt)
+
+
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+@pytest.mark.parametrize("op", OPS)
+def test_reduce_is_symmetric_bitwise(dt: D.DType, op: str, rng: np.random.Generator) -> None:
+    n = 4097
+    if dt.is_half:
+        # every pattern against every kind of pattern: NaN payloads, +-0, inf
+        a = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        b = rng.integers(0, 1 << 16, n, dtype=np.uint16)
+        a[:4] = [0x0000, 0x8000, 0x7E01, 0xFE00]
+        b[:4] = [0x8000, 0x0000, 0xFE07, 0x7D00]
+    elif dt.is_float:
+        a = sample(dt, n, rng)
+        b = sample(dt, n, rng)
+        a[:3] = [0.0, -0.0, np.inf]
+        b[:3] = [-0.0, 0.0, -np.inf]
+        ub, ua = bits(b), bits(a)
+        ua[3], ub[3] = (0x7FC00001, 0xFFC00002) if dt.name == "float32" else (
+            0x7FF8000000000001, 0xFFF8000000000002)
+    else:
+        a, b = sample(dt, n, rng), sample(dt, n, rng)
+    ab, ba = a.copy(), b.copy()
+    H.reduce_into(ab, b, op, dt)
+    H.reduce_into(ba, a, op, dt)
+    np.testing.assert_array_equal(bits(ab) if dt.is_float else ab,
+                                  bits(ba) if dt.is_float else ba)
+
+
+def test_max_min_signed_zero_and_nan() -> None:
+    a = np.array([0.0, -0.0, 1.0, np.nan, 2.0], np.float32)
+    b = np.array([-0.0, 0.0, np.nan, 1.0, 2.0], np.float32)
+    mx, mn = a.copy(), a.copy()
+    H.reduce_into(mx, b, "max", D.FLOAT32)
+    H.reduce_into(mn, b, "min", D.FLOAT32)
+    assert bits(mx).tolist() == [0, 0, 0x7FC00000, 0x7FC00000, 0x40000000]
+    assert bits(mn).tolist() == [0x80000000, 0x80000000, 0x7FC00000, 0x7FC00000, 0x40000000]
+
+
+def test_integer_wraparound() -> None:
+    a = np.array([250, 16], np.uint8)
+    H.reduce_into(a, np.array([10, 16], np.uint8), "sum", D.UINT8)
+    assert a.tolist() == [4, 32]
+    b = np.array([2 ** 31 - 1], np.int32)
+    H.reduce_into(b, np.array([2], np.int32), "prod", D.INT32)
+    assert b.tolist() == [-2]
+
+
+def test_reduce_into_self(rng: np.random.Generator) -> None:
+    for dt in D.ALL:
+        a = sample(dt, 1000, rng, specials=False)
+        ref = ref_reduce(a, a, "sum", dt)
+        H.reduce_into(a, a, "sum", dt)
+        assert_bits(a, ref, dt)
+
+
+# ----------------------------------------------------------------- scale_into
+
+
+@pytest.mark.parametrize("dt", [D.FLOAT32, D.FLOAT64], ids=["float32", "float64"])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_scale_native_float_is_ieee_division(dt: D.DType, n: int,
+                                             rng: np.random.Generator) -> None:
+    for divisor in (2, 3, 7, 1000, (1 << 24) - 3):
+        x = sample(dt, n, rng)
+        with np.errstate(invalid="ignore"):  # signalling NaNs in the sample
+            ref = x / dt.storage.type(divisor)
+        H.scale_into(x, divisor, dt)
+        assert_bits(x, ref, dt)
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_scale_half_bit_exact_f32_path(dt: D.DType, npdt: np.dtype, n: int,
+                                       rng: np.random.Generator) -> None:
+    """What scale_into computes: RN_half(RN_f32(x / divisor))."""
+    for divisor in (3, 5, 1000, 123457):
+        x = sample(dt, n, rng)
+        with np.errstate(all="ignore"):
+            ref = (widen_ref(x, npdt) / np.float32(divisor)).astype(npdt).view(np.uint16)
+        H.scale_into(x, divisor, dt)
+        assert_bits(x, ref, dt)
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+def test_scale_half_vs_float64(dt: D.DType, npdt: np.dtype) -> None:
+    """The stated guarantee against the correctly rounded float64 quotient:
+    equal for divisor < 2**13 (except bfloat16 subnormal results), within one
+    ulp for any divisor."""
+    x = ALL16[~half_isnan(ALL16, dt)]
+    for divisor in (2, 3, 5, 6, 7, 9, 10, 11, 100, 255, 1000, 4095, 8191,
+                    8193, 65535, 1_000_003, (1 << 24) - 1):
+        got = x.copy()
+        H.scale_into(got, divisor, dt)
+        q = widen_ref(x, npdt, np.float64) / divisor
+        ref = round_f64_to_half(q, dt)
+        dist = np.abs(ordered(got) - ordered(ref))
+        assert dist.max() <= 1, divisor
+        if divisor < (1 << 13):
+            exact_zone = np.ones(x.size, bool)
+            if dt.name == "bfloat16":
+                exact_zone = np.abs(q) >= 2.0 ** -126
+            np.testing.assert_array_equal(got[exact_zone], ref[exact_zone], err_msg=str(divisor))
+
+
+@pytest.mark.parametrize("dt", [D.INT32, D.INT64, D.UINT8], ids=["int32", "int64", "uint8"])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_scale_integer_floor_division(dt: D.DType, n: int, rng: np.random.Generator) -> None:
+    for divisor in (1, 2, 3, 7, 8, 255, 256, 1000, 2 ** 40 + 1):
+        x = sample(dt, n, rng)
+        ref = np.array([int(v) // divisor for v in x.tolist()], dt.storage)
+        H.scale_into(x, divisor, dt)
+        np.testing.assert_array_equal(x, ref)
+
+
+def test_scale_nan_is_canonical() -> None:
+    x = np.array([0x7F800001, 0xFFC00005], np.uint32).view(np.float32)
+    H.scale_into(x, 3, D.FLOAT32)
+    assert bits(x).tolist() == [0x7FC00000, 0x7FC00000]
+    h = np.array([0xFE01, 0x7C00], np.uint16)
+    H.scale_into(h, 3, D.FLOAT16)
+    assert h.tolist() == [0x7E00, 0x7C00]
+
+
+# ----------------------------------------------------------------- average_into
+
+
+def ref_average(parts: list[np.ndarray], divisor: int, dt: D.DType) -> np.ndarray:
+    """The documented computation, in NumPy: accumulate in parts order."""
+    with np.errstate(all="ignore"):
+        if dt.is_half:
+            acc = widen_ref(parts[0], dt.numpy)
+            for p in parts[1:]:
+                acc = acc + widen_ref(p, dt.numpy)
+            return (acc / np.float32(divisor)).astype(dt.numpy).view(np.uint16)
+        if dt.is_float:
+            acc = parts[0].astype(np.float64)
+            for p in parts[1:]:
+                acc = acc + p
+            return (acc / np.float64(divisor)).astype(dt.storage)
+        acc = parts[0].astype(np.int64)
+        for p in parts[1:]:
+            acc = acc + p
+        return (acc // divisor).astype(dt.storage)
+
+
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+@pytest.mark.parametrize("n", LENGTHS + [3 * 2048 + 5])
+def test_average_matches_reference(dt: D.DType, n: int, rng: np.random.Generator) -> None:
+    for k, divisor, offset in ((1, 3, 0), (2, 2, 1), (3, 3, 0), (4, 5, 5), (5, 5, 0),
+                               (9, 9, 2)):
+        parts = [sample(dt, n + offset, rng)[offset:] for _ in range(k)]
+        dst = parts[0].copy() if offset == 0 else sample(dt, n + offset, rng)[offset:]
+        ref = ref_average(parts, divisor, dt)
+        H.average_into(dst, parts, divisor, dt)
+        assert_bits(dst, ref, dt)
+
+
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+def test_average_parts_include_dst(dt: D.DType, rng: np.random.Generator) -> None:
+    n = 5000
+    for where in (0, 1, 3):
+        others = [sample(dt, n, rng) for _ in range(3)]
+        dst = sample(dt, n, rng)
+        parts = list(others)
+        parts.insert(where, dst)
+        ref = ref_average([p.copy() for p in parts], 4, dt)
+        H.average_into(dst, parts, 4, dt)
+        assert_bits(dst, ref, dt)
+
+
+@pytest.mark.parametrize("dt,npdt", HALVES, ids=HALF_IDS)
+def test_average_half_vs_float64(dt: D.DType, npdt: np.dtype, rng: np.random.Generator) -> None:
+    """Against float64: the quotient of the float32 accumulator is correctly
+    rounded (divisor < 2**13, no bf16 subnormals); with same-sign data, where
+    float32 accumulation of a few halves loses at most a float32 ulp or two,
+    the average is within 1 ulp of the float64 average."""
+    n = 100_000
+    parts = [np.abs(rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n))
+             .astype(np.float32).astype(npdt).view(np.uint16) for _ in range(5)]
+    for divisor in (5, 6, 7):
+        dst = np.empty(n, np.uint16)
+        H.average_into(dst, parts, divisor, dt)
+        acc32 = sum((widen_ref(p, npdt) for p in parts[1:]), widen_ref(parts[0], npdt))
+        np.testing.assert_array_equal(
+            dst, round_f64_to_half(acc32.astype(np.float64) / divisor, dt))
+        exact = sum(widen_ref(p, npdt, np.float64) for p in parts) / divisor
+        assert np.abs(ordered(dst) - ordered(round_f64_to_half(exact, dt))).max() <= 1
+
+
+def test_average_integer_floor_and_wrap() -> None:
+    a = np.array([-7, 7, 2 ** 31 - 1], np.int32)
+    b = np.array([0, 0, 2 ** 31 - 1], np.int32)
+    H.average_into(a, [a, b], 2, D.INT32)
+    assert a.tolist() == [-4, 3, 2 ** 31 - 1]  # int64 accumulator: no overflow
+    c = np.array([-7, 7], np.int64)
+    H.average_into(c, [c, np.zeros(2, np.int64)], 3, D.INT64)
+    assert c.tolist() == [-3, 2]
+    u = np.array([255, 255, 1], np.uint8)
+    H.average_into(u, [u, u, u], 1, D.UINT8)  # 765 wraps to 253, like NumPy
+    assert u.tolist() == [253, 253, 3]
+
+
+def test_torch_average_bits() -> None:
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    for tdt, dt in ((torch.bfloat16, D.BFLOAT16), (torch.float16, D.FLOAT16)):
+        ts = [torch.randn(10_001, generator=g).to(tdt) for _ in range(3)]
+        expected = ((ts[0].float() + ts[1].float() + ts[2].float()) / 3).to(tdt)
+        parts = [t.view(torch.int16).numpy().view(np.uint16) for t in ts]
+        dst = np.empty_like(parts[0])
+        H.average_into(dst, parts, 3, dt)
+        np.testing.assert_array_equal(dst, expected.view(torch.int16).numpy().view(np.uint16))
+
+
+# ----------------------------------------------------------------- PyTorch
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_torch_reduce_bits(op: str) -> None:
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    for tdt, dt in ((torch.bfloat16, D.BFLOAT16), (torch.float16, D.FLOAT16)):
+        a = (torch.randn(20_011, generator=g) * 100).to(tdt)
+        b = (torch.randn(20_011, generator=g) * 100).to(tdt)
+        b[:5] = torch.tensor([0.0, float("inf"), -float("inf"), 1e-40, float("nan")])
+        fa, fb = a.float(), b.float()
+        r = {"sum": fa + fb, "prod": fa * fb, "max": torch.maximum(fa, fb),
+             "min": torch.minimum(fa, fb)}[op]
+        expected = r.to(tdt).view(torch.int16).numpy().view(np.uint16)
+        got = a.clone().view(torch.int16).numpy().view(np.uint16)  # a view of the tensor
+        H.reduce_into(got, b.view(torch.int16).numpy().view(np.uint16), op, dt)
+        assert_bits(got, expected, dt)
+
+
+# ----------------------------------------------------------------- API contract
+
+
+def test_bad_arguments() -> None:
+    a = np.zeros(8, np.float32)
+    with pytest.raises(InvalidArgumentError):
+        H.reduce_into(a, a, "avg", D.FLOAT32)
+    with pytest.raises(BufferError):
+        H.reduce_into(a, np.zeros(8, np.float64), "sum", D.FLOAT32)
+    with pytest.raises(BufferError):
+        H.reduce_into(a, np.zeros(9, np.float32), "sum", D.FLOAT32)
+    with pytest.raises(BufferError):
+        H.reduce_into(np.zeros(16, np.float32)[::2], a, "sum", D.FLOAT32)
+    ro = np.zeros(8, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(BufferError):
+        H.reduce_into(ro, a, "sum", D.FLOAT32)
+    with pytest.raises(BufferError):
+        H.reduce_into(a.astype(np.float16), a.astype(np.float16), "sum", D.FLOAT16)
+    for bad in (0, -2, 2.0, True, 1 << 24):
+        with pytest.raises(InvalidArgumentError):
+            H.scale_into(a, bad, D.FLOAT32)
+    with pytest.raises(InvalidArgumentError):
+        H.average_into(a, [], 2, D.FLOAT32)
+    with pytest.raises(BufferError):
+        H.average_into(a, [a, np.zeros(7, np.float32)], 2, D.FLOAT32)
+    with pytest.raises(InvalidArgumentError):
+        H.to_float32(a, D.FLOAT32)
+
+
+def test_multidimensional_contiguous_is_flattened(rng: np.random.Generator) -> None:
+    a = sample(D.FLOAT32, 64, rng, specials=False).reshape(8, 8)
+    b = sample(D.FLOAT32, 64, rng, specials=False).reshape(8, 8)
+    ref = a + b
+    H.reduce_into(a, b, "sum", D.FLOAT32)
+    np.testing.assert_array_equal(a, ref)
+
+
+def test_threaded_chunks_match_serial(monkeypatch: pytest.MonkeyPatch,
+                                      rng: np.random.Generator) -> None:
+    """WAGMA_HOST_THREADS > 1 splits into chunks; results must not change."""
+    n = 100_003
+    cases = []
+    for dt in D.ALL:
+        a, b, c = (sample(dt, n, rng) for _ in range(3))
+        serial = [a.copy(), a.copy(), a.copy()]
+        H.reduce_into(serial[0], b, "sum", dt)
+        H.average_into(serial[1], [serial[1], b, c], 3, dt)
+        H.scale_into(serial[2], 3, dt)
+        cases.append((dt, a, b, c, serial))
+    monkeypatch.setattr(H, "_nthreads", 3)
+    monkeypatch.setattr(H, "_MIN_SPLIT_BYTES", 4096)
+    for dt, a, b, c, serial in cases:
+        assert H._chunks(n, dt.itemsize) is not None
+        got = [a.copy(), a.copy(), a.copy()]
+        H.reduce_into(got[0], b, "sum", dt)
+        H.average_into(got[1], [got[1], b, c], 3, dt)
+        H.scale_into(got[2], 3, dt)
+        for g, s in zip(got, serial):
+            np.testing.assert_array_equal(bits(g) if dt.is_float else g,
+                                          bits(s) if dt.is_float else s)
+
+
+def test_threads_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(H, "_nthreads", None)
+    monkeypatch.setenv("WAGMA_HOST_THREADS", "lots")
+    with pytest.raises(InvalidArgumentError):
+        H._threads()
+    monkeypatch.setenv("WAGMA_HOST_THREADS", "4")
+    assert H._threads() == 4
+
+
+def test_import_compiles_nothing() -> None:
+    """Importing the module leaves every numba dispatcher uncompiled (lazy JIT)."""
+    code = (
+        "from numba.core.dispatcher import Dispatcher\n"
+        "import wagma_comm.kernels.host as H\n"
+        "ds = [v for v in vars(H).values() if isinstance(v, Dispatcher)]\n"
+        "assert len(ds) > 10, len(ds)\n"
+        "compiled = [d.py_func.__name__ for d in ds if d.signatures]\n"
+        "assert not compiled, compiled\n"
+    )
+    root = Path(H.__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

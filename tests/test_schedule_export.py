@@ -1,0 +1,147 @@
+"""JSON / DOT / text dumps of schedules and the ``wagma schedule`` command."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from wagma_comm.schedule import algorithms as alg
+from wagma_comm.schedule import cli
+from wagma_comm.schedule.export import from_json, op_label, to_dot, to_json, to_text
+from wagma_comm.schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Send, Slot
+
+GROUPS = [
+    ("allreduce", (3, 11, 19, 27), 10, "avg", -1, name) for name in alg.ALLREDUCE_ALGORITHMS
+] + [
+    ("broadcast", (0, 1, 2, 3, 4), 7, "", 3, name) for name in alg.BROADCAST_ALGORITHMS
+] + [("barrier", (0, 1, 2), 0, "", -1, "dissemination")]
+
+
+@pytest.mark.parametrize("case", GROUPS, ids=lambda c: f"{c[0]}-{c[5]}")
+def test_json_round_trips_exactly(case: tuple[str, tuple[int, ...], int, str, int, str]
+                                  ) -> None:
+    group = alg.compile_group(*case)
+    assert from_json(to_json(group)) == group
+
+
+def test_json_lists_every_op_with_type_fields_and_deps() -> None:
+    group = alg.compile_group("allreduce", (0, 1, 2), 5, "avg", algorithm="ring")
+    doc = json.loads(to_json(group))
+    assert [s["rank"] for s in doc["schedules"]] == [0, 1, 2]
+    for s, sched in zip(doc["schedules"], group):
+        assert [o["index"] for o in s["ops"]] == list(range(len(sched.ops)))
+        assert [tuple(o["deps"]) for o in s["ops"]] == list(sched.deps)
+        assert s["scratch"] == dict(sched.scratch)
+    op = doc["schedules"][0]["ops"][0]
+    assert op == {"index": 0, "type": "send", "src": {"buf": "data", "offset": 0, "count": 2},
+                  "peer": 1, "msg": 0, "deps": []}
+
+
+def test_labels() -> None:
+    assert op_label(Send(Slot(DATA, 0, 4), 2, 0)) == "send d[0:4]->r2 #0"
+    assert op_label(Recv(Slot("tmp0", 2, 3), 5, 1)) == "recv tmp0[2:5]<-r5 #1"
+    assert op_label(Reduce(Slot(DATA, 0, 4), Slot("t", 0, 4), "max")) == "max d[0:4] <- t[0:4]"
+    assert op_label(Copy(Slot(DATA, 0, 1), Slot("t", 0, 1))) == "copy d[0:1] <- t[0:1]"
+    assert op_label(Scale(Slot(DATA, 0, 4), 3)) == "scale d[0:4] /= 3"
+    assert op_label(Native("broadcast", Slot(DATA, 0, 4), "", (1, 2), 2)) == \
+        "native broadcast d[0:4] over [1, 2] root r2"
+
+
+def test_dot_has_clusters_dep_edges_and_message_edges() -> None:
+    group = alg.compile_group("allreduce", (3, 11, 19, 27), 8, "avg",
+                              algorithm="rabenseifner")
+    dot = to_dot(group)
+    assert dot.startswith("digraph schedule {") and dot.rstrip().endswith("}")
+    assert dot.count("{") == dot.count("}")
+    for s in group:
+        assert f"subgraph cluster_r{s.rank} {{" in dot
+    sends = sum(isinstance(op, Send) for s in group for op in s.ops)
+    deps = sum(len(d) for s in group for d in s.deps)
+    assert len(re.findall(r"-> r\d+_\d+ \[style=dashed\];", dot)) == sends
+    assert len(re.findall(r"-> r\d+_\d+;", dot)) == deps
+    assert 'r3_0 [label="0: send d[4:8]->r19 #0"];' in dot
+
+
+def test_dot_of_one_rank_has_no_dangling_message_edges() -> None:
+    group = alg.compile_group("allreduce", (0, 1, 2, 3), 8, "sum", algorithm="ring")
+    assert "dashed" not in to_dot(group[:1])
+
+
+def test_dot_joins_native_members() -> None:
+    group = alg.compile_group("broadcast", (0, 1, 2), 4, root=1, algorithm="native")
+    assert to_dot(group).count("style=dotted") == 2
+
+
+def test_dot_quotes_labels() -> None:
+    group = alg.compile_group("barrier", (0, 1))
+    assert all(line.count('"') % 2 == 0 for line in to_dot(group).splitlines())
+
+
+def test_text_has_one_line_per_op() -> None:
+    group = alg.compile_group("allreduce", (0, 1), 4, "avg", algorithm="recursive_doubling")
+    lines = to_text(group).splitlines()
+    assert len(lines) == len(group) + sum(len(s.ops) for s in group)
+    assert "    2: sum d[0:4] <- tmp0[0:4]  after 0,1" in lines
+
+
+# -- the command ---------------------------------------------------------------------
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = cli.main(["schedule", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_dot_for_a_shifting_group(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(capsys, "--ranks", "8", "--group-size", "4", "--step", "1",
+                               "--dot")
+    assert status == 0 and err.strip() == "verified"
+    assert out.startswith("digraph")
+    from wagma_comm.groups import group_of
+
+    for r in group_of(0, 8, 4, 1):
+        assert f"cluster_r{r} " in out
+
+
+def test_cli_json_for_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "--ranks", "16", "--group-size", "4", "--step", "1",
+                             "--rank", "6", "--json", "--algorithm", "ring", "--count", "9")
+    assert status == 0
+    (sched,) = from_json(out)
+    assert sched.rank == 6 and sched.ranks == (2, 6, 10, 14) and sched.count == 9
+    assert sched.algorithm == "ring" and sched.op == "avg"
+
+
+def test_cli_broadcast_root_is_a_group_position(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(capsys, "--ranks", "9", "--group-size", "3", "--step", "1",
+                               "--rank", "4", "--collective", "broadcast", "--root", "2",
+                               "--json")
+    assert status == 0 and "verified" in err
+    assert {s.root for s in from_json(out)} == {7}
+
+
+def test_cli_barrier_text(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "--ranks", "5", "--collective", "barrier")
+    assert status == 0 and out.count("rank ") == 5
+
+
+@pytest.mark.parametrize("argv", [
+    ["--ranks", "4", "--group-size", "5"],
+    ["--ranks", "4", "--rank", "4"],
+    ["--ranks", "4", "--algorithm", "bogus"],
+    ["--ranks", "4", "--collective", "broadcast", "--root", "4"],
+    ["--ranks", "4", "--op", "mean"],
+])
+def test_cli_bad_arguments(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == "" and "error" in err
+
+
+def test_wagma_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``wagma`` command registers this subcommand through add_parser/run."""
+    main_cli = pytest.importorskip("wagma_comm.cli")
+    status = main_cli.main(["schedule", "--ranks", "8", "--group-size", "4", "--step", "1",
+                            "--dot"])
+    out, err = capsys.readouterr()
+    assert status == 0 and out.startswith("digraph") and "verified" in err

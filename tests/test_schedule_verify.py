@@ -1,0 +1,299 @@
+"""The verifier must reject broken schedules, one corruption at a time, with a
+message that says what is wrong (each test also checks the intact schedules
+pass, so a rejection is caused by the corruption alone)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import pytest
+
+from wagma_comm.errors import ScheduleError
+from wagma_comm.schedule import algorithms as alg
+from wagma_comm.schedule.build import ScheduleBuilder
+from wagma_comm.schedule.ir import (
+    DATA, Native, Op, Recv, Reduce, Scale, Schedule, Send, Slot,
+)
+from wagma_comm.schedule.verify import verify, verify_collective
+
+Group = tuple[Schedule, ...]
+
+
+# -- editing helpers (tests only: the library never edits schedules) --------------
+def drop_op(s: Schedule, i: int) -> Schedule:
+    """Remove op ``i``; its dependents inherit its deps (so nothing but the op
+    itself goes missing)."""
+    def remap(deps: tuple[int, ...]) -> tuple[int, ...]:
+        out: set[int] = set()
+        for j in deps:
+            out.update(s.deps[i] if j == i else (j,))
+        return tuple(sorted(j - (j > i) for j in out))
+
+    ops = s.ops[:i] + s.ops[i + 1:]
+    deps = tuple(remap(d) for k, d in enumerate(s.deps) if k != i)
+    return dataclasses.replace(s, ops=ops, deps=deps)
+
+
+def insert_after(s: Schedule, i: int, op: Op) -> Schedule:
+    """Insert ``op`` right after op ``i``, depending on it; every later op that
+    waited for ``i`` also waits for the new op (so no race is introduced)."""
+    def shift(deps: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted({j + (j > i) for j in deps} | ({i + 1} if i in deps else set())))
+
+    ops = s.ops[:i + 1] + (op,) + s.ops[i + 1:]
+    deps = s.deps[:i + 1] + ((i,),) + tuple(shift(d) for d in s.deps[i + 1:])
+    return dataclasses.replace(s, ops=ops, deps=deps)
+
+
+def replace_op(s: Schedule, i: int, op: Op) -> Schedule:
+    return dataclasses.replace(s, ops=s.ops[:i] + (op,) + s.ops[i + 1:])
+
+
+def first(s: Schedule, kind: type) -> int:
+    return next(i for i, op in enumerate(s.ops) if isinstance(op, kind))
+
+
+def edit(group: Group, rank: int, change: Callable[[Schedule], Schedule]) -> Group:
+    return tuple(change(s) if s.rank == rank else s for s in group)
+
+
+def compiled(collective: str, n: int, count: int, algorithm: str, op: str = "",
+             root: int = -1, ranks: tuple[int, ...] | None = None) -> Group:
+    group = alg.compile_group(collective, ranks or tuple(range(n)), count, op, root, algorithm)
+    verify(group)  # the intact version is correct
+    return group
+
+
+# -- one test per corruption ------------------------------------------------------
+def test_dropped_send_is_rejected() -> None:
+    g = compiled("allreduce", 4, 8, "recursive_doubling", "sum")
+    bad = edit(g, 1, lambda s: drop_op(s, first(s, Send)))
+    with pytest.raises(ScheduleError, match="rank 0 op .*recv.* has no matching Send"):
+        verify(bad)
+
+
+def test_dropped_recv_is_rejected() -> None:
+    g = compiled("allreduce", 5, 9, "ring", "avg")
+    bad = edit(g, 2, lambda s: drop_op(s, first(s, Recv)))
+    with pytest.raises(ScheduleError, match="no matching Recv on rank 2"):
+        verify(bad)
+
+
+def test_changed_peer_is_rejected() -> None:
+    g = compiled("allreduce", 4, 8, "ring", "sum")
+
+    def redirect(s: Schedule) -> Schedule:
+        i = first(s, Send)
+        op = s.ops[i]
+        assert isinstance(op, Send) and op.peer == 1
+        return replace_op(s, i, dataclasses.replace(op, peer=2))
+
+    with pytest.raises(ScheduleError, match="no matching"):
+        verify(edit(g, 0, redirect))
+
+
+def test_changed_count_is_rejected() -> None:
+    g = compiled("allreduce", 4, 37, "rabenseifner", "sum")
+
+    def shrink(s: Schedule) -> Schedule:
+        i = first(s, Send)
+        op = s.ops[i]
+        assert isinstance(op, Send)
+        return replace_op(s, i, dataclasses.replace(op, src=dataclasses.replace(
+            op.src, count=op.src.count - 1)))
+
+    with pytest.raises(ScheduleError, match=r"sends \d+ elements but .* receives \d+"):
+        verify(edit(g, 0, shrink))
+
+
+def test_dropped_dependency_is_a_race() -> None:
+    g = compiled("allreduce", 4, 8, "ring", "sum")
+
+    def forget(s: Schedule) -> Schedule:
+        i = first(s, Reduce)
+        recv = i - 1
+        assert isinstance(s.ops[recv], Recv) and recv in s.deps[i]
+        deps = tuple(d for d in s.deps[i] if d != recv)
+        return dataclasses.replace(s, deps=s.deps[:i] + (deps,) + s.deps[i + 1:])
+
+    with pytest.raises(ScheduleError, match="race on rank 3: op 2 .* and op 1"):
+        verify(edit(g, 3, forget))
+
+
+def test_dropped_war_dependency_is_a_race() -> None:
+    """The second receive into a buffer must wait until the reduce read it."""
+    g = compiled("allreduce", 8, 8, "recursive_doubling", "sum")
+
+    def forget(s: Schedule) -> Schedule:
+        recvs = [i for i, op in enumerate(s.ops) if isinstance(op, Recv)]
+        third = recvs[2]  # reuses tmp0 after the first reduce
+        assert s.deps[third]
+        return dataclasses.replace(s, deps=s.deps[:third] + ((),) + s.deps[third + 1:])
+
+    with pytest.raises(ScheduleError, match="race"):
+        verify(edit(g, 5, forget))
+
+
+def test_duplicated_reduce_is_rejected() -> None:
+    g = compiled("allreduce", 2, 3, "recursive_doubling", "sum")
+
+    def twice(s: Schedule) -> Schedule:
+        i = first(s, Reduce)
+        return insert_after(s, i, s.ops[i])
+
+    with pytest.raises(ScheduleError, match="rank 0.*more than once"):
+        verify(edit(g, 0, twice))
+
+
+def test_dropped_scale_of_avg_is_rejected() -> None:
+    for algorithm in ("recursive_doubling", "ring", "native"):
+        g = compiled("allreduce", 4, 9, algorithm, "avg")
+        bad = edit(g, 0, lambda s: drop_op(s, first(s, Scale)))
+        with pytest.raises(ScheduleError, match="not divided by the group size 4"):
+            verify(bad)
+
+
+def test_scale_by_wrong_divisor_is_rejected() -> None:
+    g = compiled("allreduce", 3, 9, "ring", "avg")
+
+    def wrong(s: Schedule) -> Schedule:
+        i = first(s, Scale)
+        return replace_op(s, i, dataclasses.replace(s.ops[i], divisor=4))
+
+    with pytest.raises(ScheduleError, match="divided by 4"):
+        verify(edit(g, 1, wrong))
+
+
+def test_swapped_root_is_rejected() -> None:
+    g = compiled("broadcast", 5, 7, "binomial", root=0)
+    bad = tuple(dataclasses.replace(s, root=2) for s in g)
+    with pytest.raises(ScheduleError, match=r"not the root's \(rank 2\)"):
+        verify(bad)
+
+
+def test_wrong_op_is_rejected() -> None:
+    g = compiled("allreduce", 3, 4, "recursive_doubling", "sum")
+    bad = tuple(dataclasses.replace(s, op="max") for s in g)
+    with pytest.raises(ScheduleError, match="uses reduction 'sum', not 'max'"):
+        verify(bad)
+
+
+def test_different_reduction_trees_are_rejected() -> None:
+    """Every rank reducing the ring's chunks itself in its own order gives
+    correct sums that are not bitwise identical: the verifier must say so."""
+    n, ranks = 3, (0, 1, 2)
+    scheds = []
+    for me in ranks:
+        b = ScheduleBuilder("allreduce", "naive", me, ranks, 1, "sum")
+        tmp = [Slot(b.scratch(f"t{r}", 1), 0, 1) for r in ranks]
+        for r in ranks:
+            if r != me:
+                b.send(Slot(DATA, 0, 1), r)
+                b.recv(tmp[r], r)
+        for k in range(1, n):  # data + from (me+1) + from (me+2): order depends on me
+            b.reduce(Slot(DATA, 0, 1), tmp[(me + k) % n], "sum")
+        scheds.append(b.build())
+    with pytest.raises(ScheduleError, match="not be bitwise identical"):
+        verify(scheds)
+
+
+def test_deadlock_is_rejected() -> None:
+    """Both partners receive before they send: fine with buffering, a deadlock
+    when sends complete only on receipt."""
+    scheds = []
+    for me, peer in ((0, 1), (1, 0)):
+        b = ScheduleBuilder("allreduce", "bad", me, (0, 1), 2, "sum")
+        t = Slot(b.scratch("t", 2), 0, 2)
+        r = b.recv(t, peer)
+        b.send(Slot(DATA, 0, 2), peer, after=[r])
+        b.reduce(Slot(DATA, 0, 2), t, "sum")
+        scheds.append(b.build())
+    with pytest.raises(ScheduleError, match="deadlock"):
+        verify(scheds)
+
+
+def test_uninitialised_scratch_is_rejected() -> None:
+    scheds = []
+    for me, peer in ((0, 1), (1, 0)):
+        b = ScheduleBuilder("allreduce", "bad", me, (0, 1), 2, "sum")
+        t = Slot(b.scratch("t", 4), 0, 2)
+        b.send(Slot(DATA, 0, 2), peer)
+        b.recv(t, peer)
+        b.reduce(Slot(DATA, 0, 2), Slot("t", 2, 2), "sum")  # the wrong half
+        scheds.append(b.build())
+    with pytest.raises(ScheduleError, match="uninitialised"):
+        verify(scheds)
+
+
+def test_barrier_without_ordering_is_rejected() -> None:
+    g = compiled("barrier", 8, 0, "dissemination")
+    bad = tuple(dataclasses.replace(s, deps=tuple(() for _ in s.deps)) for s in g)
+    with pytest.raises(ScheduleError, match="barrier: rank .* can leave before"):
+        verify(bad)
+
+
+def test_mismatched_native_is_rejected() -> None:
+    g = compiled("allreduce", 3, 6, "native", "sum")
+
+    def other(s: Schedule) -> Schedule:
+        op = s.ops[0]
+        assert isinstance(op, Native)
+        return replace_op(s, 0, dataclasses.replace(op, op="max"))
+
+    with pytest.raises(ScheduleError, match="does not match"):
+        verify(edit(g, 2, other))
+    with pytest.raises(ScheduleError, match="issued only by ranks"):
+        verify(edit(g, 1, lambda s: drop_op(s, 0)))
+
+
+def test_missing_and_duplicate_members_are_rejected() -> None:
+    g = compiled("allreduce", 3, 6, "ring", "sum")
+    with pytest.raises(ScheduleError, match="missing"):
+        verify(g[:2])
+    with pytest.raises(ScheduleError, match="two schedules"):
+        verify(g + g[:1])
+    with pytest.raises(ScheduleError, match="no schedules"):
+        verify(())
+
+
+def test_inconsistent_headers_are_rejected() -> None:
+    g = compiled("allreduce", 3, 6, "ring", "sum")
+    with pytest.raises(ScheduleError, match="schedule is for"):
+        verify((dataclasses.replace(g[0], count=5),) + g[1:])
+
+
+def test_duplicate_message_number_is_rejected() -> None:
+    g = compiled("allreduce", 3, 6, "ring", "sum")
+
+    def renumber(s: Schedule) -> Schedule:
+        sends = [i for i, op in enumerate(s.ops) if isinstance(op, Send)]
+        return replace_op(s, sends[1], dataclasses.replace(s.ops[sends[1]], msg=0))
+
+    with pytest.raises(ScheduleError, match="both sends message #0"):
+        verify(edit(g, 0, renumber))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda s: dataclasses.replace(s, deps=s.deps[:-1]), "dep lists"),
+    (lambda s: dataclasses.replace(s, deps=s.deps[:-1] + ((len(s.ops),),)), "earlier ops"),
+    (lambda s: replace_op(s, 0, dataclasses.replace(s.ops[0], src=Slot(DATA, 4, 9))),
+     "exceeds"),
+    (lambda s: replace_op(s, 0, dataclasses.replace(s.ops[0], src=Slot("x", 0, 1))),
+     "unknown buffer"),
+    (lambda s: replace_op(s, 0, dataclasses.replace(s.ops[0], peer=s.rank)),
+     "not another member"),
+])
+def test_malformed_schedules_are_rejected(change: Callable[[Schedule], Schedule],
+                                          match: str) -> None:
+    g = compiled("allreduce", 2, 6, "recursive_doubling", "sum")
+    with pytest.raises(ScheduleError, match=match):
+        verify(edit(g, 0, change))
+
+
+# -- acceptance edge cases -----------------------------------------------------------
+def test_avg_of_one_member_may_omit_the_scale() -> None:
+    verify_collective("allreduce", (5,), 4, "avg", algorithm="ring")
+    b = ScheduleBuilder("allreduce", "x", 5, (5,), 4, "avg")
+    b.scale(Slot(DATA, 0, 4), 1)
+    verify([b.build()])

@@ -1,0 +1,126 @@
+"""Shifting groups: the reference's bit-field groups, partitions, mixing."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from wagma_comm import groups as G
+from wagma_comm.errors import InvalidArgumentError
+
+POW2_CASES = [(P, S) for P in (2, 4, 8, 16, 64, 256, 1024) for S in (2, 4, 8, 16, 32)
+              if S <= P and round(np.log(P) / np.log(S)) == np.log(P) / np.log(S)]
+
+
+def reference_group(rank: int, size: int, group_size: int, step: int) -> set[int]:
+    """The reference's rule: partners r XOR (1 << (s*log2 S + j)), j < log2 S,
+    closed under composition, i.e. all ranks equal to r outside that bit field."""
+    bits = group_size.bit_length() - 1
+    k = size.bit_length() - 1
+    s = step % (k // bits)
+    members = {rank}
+    for j in range(bits):
+        members |= {m ^ (1 << (s * bits + j)) for m in members}
+    return members
+
+
+@pytest.mark.parametrize("P,S", POW2_CASES)
+def test_power_of_two_groups_are_the_reference_bit_fields(P: int, S: int) -> None:
+    steps = G.num_steps(P, S)
+    assert S ** steps == P
+    for step in range(2 * steps + 1):  # step is taken modulo log_S P
+        for rank in range(P):
+            assert set(G.group_of(rank, P, S, step)) == reference_group(rank, P, S, step)
+
+
+def test_paper_example_64_by_8() -> None:
+    assert G.partition(64, 8, 0)[:2] == (tuple(range(8)), tuple(range(8, 16)))
+    assert G.partition(64, 8, 1)[0] == tuple(range(0, 64, 8))
+    assert G.partition(64, 8, 1)[1] == tuple(range(1, 64, 8))
+    assert G.partition(64, 8, 2) == G.partition(64, 8, 0)
+
+
+ALL_CASES = [(P, S) for P in range(1, 41) for S in range(1, P + 1)]
+
+
+@pytest.mark.parametrize("P,S", ALL_CASES)
+def test_partition_covers_every_rank_once_within_size(P: int, S: int) -> None:
+    for step in range(G.num_steps(P, S)):
+        parts = G.partition(P, S, step)
+        flat = sorted(itertools.chain.from_iterable(parts))
+        assert flat == list(range(P))
+        assert all(1 <= len(g) <= S for g in parts)
+        for g in parts:
+            for r in g:
+                assert G.group_of(r, P, S, step) == g
+
+
+def _mix(values: np.ndarray, P: int, S: int, steps: int) -> np.ndarray:
+    x = values.copy()
+    for step in range(steps):
+        for g in G.partition(P, S, step):
+            x[list(g)] = x[list(g)].mean(axis=0)
+    return x
+
+
+def _has_only_small_primes(P: int, S: int) -> bool:
+    """Every prime factor of P is at most S (trial division)."""
+    n, p, largest = P, 2, 1
+    while p * p <= n:
+        while n % p == 0:
+            n, largest = n // p, p
+        p += 1
+    return max(largest, n) <= S
+
+
+@pytest.mark.parametrize("P,S", ALL_CASES)
+def test_mixing_gives_the_global_mean_when_exact(P: int, S: int) -> None:
+    if S == 1 and P > 1:
+        pytest.skip("groups of one never mix")
+    # exact exactly when every prime factor of P is at most S (see groups.py)
+    assert G.is_exact(P, S) == _has_only_small_primes(P, S)
+    rng = np.random.default_rng(P * 1000 + S)
+    values = rng.standard_normal((P, 3))
+    K = G.num_steps(P, S)
+    if G.is_exact(P, S):
+        mixed = _mix(values, P, S, K)
+        np.testing.assert_allclose(mixed, np.broadcast_to(values.mean(0), mixed.shape),
+                                   rtol=1e-12, atol=1e-12)
+        assert G.mixing_steps(P, S) <= K
+    else:
+        # Not exact: every model still mixes with every other, and cycling the
+        # steps converges to the global mean.
+        assert G.mixing_steps(P, S) is not None
+        mixed = _mix(values, P, S, 200 * K)
+        np.testing.assert_allclose(mixed, np.broadcast_to(values.mean(0), mixed.shape),
+                                   rtol=0, atol=1e-6)
+
+
+def test_power_of_s_needs_exactly_log_s_p_steps() -> None:
+    for P, S in [(64, 8), (16, 4), (27, 3), (1024, 2)]:
+        K = G.num_steps(P, S)
+        assert S ** K == P
+        assert G.mixing_steps(P, S) == K
+
+
+def test_trivial_sizes() -> None:
+    assert G.partition(1, 1, 0) == ((0,),)
+    assert G.partition(5, 5, 3) == (tuple(range(5)),)
+    assert G.partition(4, 1, 0) == ((0,), (1,), (2,), (3,))
+    assert G.mixing_steps(4, 1) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 9, 2.0, "4", None, True])
+def test_bad_group_size(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        G.check_group_size(8, bad)
+    assert info.value.argument == "group_size"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "0", None])
+def test_bad_step(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        G.check_step(bad)
+    assert info.value.argument == "step"

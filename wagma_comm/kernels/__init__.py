@@ -1,0 +1,1 @@
+"""Reduction kernels: ``host`` (numba, host memory) and ``device`` (CUDA)."""
