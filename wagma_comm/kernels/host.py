@@ -31,11 +31,15 @@ Implementation choices (figures from bench/bench_host_kernels.py):
 
 * The half <-> float32 conversions are LLVM IR emitted through numba intrinsics
   on 32-bit lanes; numba's own integer typing widens every bit operation to
-  int64, which halves the SIMD width (bfloat16 sum: 1.8 ms -> 1.1 ms per
-  16 MiB). float16 uses the CPU's conversion instructions (LLVM ``half``:
-  x86 F16C / AVX-512, AArch64 FCVT) where the compile target has them -- they
-  round RNE and quiet NaNs exactly like the software path, which is kept for
-  other targets (and tested on every machine).
+  int64, which halves the SIMD width. Inside the kernels bfloat16 NaNs are not
+  quieted on the way in nor checked on the way out (every NaN result is
+  replaced by the canonical one anyway). bfloat16 sum per 16 MiB: 1.8 ms with
+  numba integer code, 1.1 ms with 32-bit IR, 0.74 ms without the redundant NaN
+  handling (NumPy fallback: 12.5 ms). float16 uses the CPU's conversion
+  instructions (LLVM ``half``: x86 F16C / AVX-512, AArch64 FCVT) where the
+  compile target has them -- they round RNE and quiet NaNs exactly like the
+  software path, which is kept for other targets (and tested on every
+  machine): 0.67 ms vs 6.4 ms in software.
 * float32/float64 reductions are numba loops too: NumPy's ``np.add(out=)`` is as
   fast but keeps the first operand's NaN payload (not symmetric, see above);
   the numba loop canonicalises NaN in the same pass. Loops peel a few elements
@@ -44,18 +48,23 @@ Implementation choices (figures from bench/bench_host_kernels.py):
 * Integer ``reduce_into``/``scale_into`` use NumPy ufuncs with ``out=``: already
   vectorised, symmetric, no JIT cost; ``floor_divide`` by a scalar uses libdivide.
 * Compilation is lazy and cached on disk (``cache=True``): importing this module
-  compiles nothing (it only imports numba). The op and the half kind are small
-  ints that each kernel branches on *outside* its loops, so there is one
-  compiled specialisation per kernel and storage dtype (uint16, float32, ...),
-  not one per (op, dtype); ``average_into`` takes its parts by address so the
-  number of parts does not specialise it either.
+  compiles nothing (it only imports numba, ~0.3 s). Each reduction is one small
+  kernel per (op, half kind) on uint16 and per op on floats (numba specialises
+  those for float32 and float64), with op/kind as constants inlined into the
+  loop: at most 8 + 8 specialisations, each compiled on first use (~0.5-1 s;
+  ~10 ms when loaded from the cache). One kernel holding all ops took ~11 s to
+  compile. ``average_into`` takes its parts by address (an int64 array), so
+  the number of parts does not specialise it: 2 + 2 + 3 specialisations.
+* The kernels assume the default floating-point environment (round to nearest,
+  no flush-to-zero/denormals-are-zero), like NumPy does.
 * Serial by default: MPI jobs often run several ranks per core and the kernels
   are memory bound. ``WAGMA_HOST_THREADS=N`` (N > 1, read once) splits arrays of
   at least 1 MiB into N chunks run on a small thread pool (the kernels release
   the GIL). A Python pool rather than numba's ``prange`` keeps one cached
-  compiled kernel per dtype (a ``parallel=True`` twin would share the on-disk
-  cache index) and starts no numba threading layer (OpenMP/TBB) inside MPI
-  processes.
+  compiled kernel per dtype (a ``parallel=True`` twin of the same function
+  would collide in numba's on-disk cache, which keys entries by function,
+  signature and CPU but not by compile flags) and starts no numba threading
+  layer (OpenMP/TBB) inside MPI processes.
 """
 
 from __future__ import annotations
@@ -150,13 +159,13 @@ def _as_i16(builder: llir.IRBuilder, value: llir.Value, ty: types.Integer) -> ll
 
 
 @intrinsic
-def _f32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def _f32_from_bits(typingctx, bits):
     """float32 whose bit pattern is the low 32 bits of an integer."""
     if not isinstance(bits, types.Integer):
         return None
     width = bits.bitwidth
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         v = args[0]
         if width > 32:
             v = builder.trunc(v, _I32)
@@ -168,19 +177,19 @@ def _f32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _f32_to_bits(typingctx, value):  # type: ignore[no-untyped-def]
+def _f32_to_bits(typingctx, value):
     """The bit pattern of a float32 as a non-negative int64 (zero-extended)."""
     if value != types.float32:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.zext(builder.bitcast(args[0], _I32), llir.IntType(64))
 
     return types.int64(value), codegen
 
 
 @intrinsic
-def _ptr_like(typingctx, addr, like):  # type: ignore[no-untyped-def]
+def _ptr_like(typingctx, addr, like):
     """A typed pointer (element type of array ``like``) from an integer address.
 
     Lets one compiled kernel read any number of arrays (average_into) without a
@@ -190,19 +199,19 @@ def _ptr_like(typingctx, addr, like):  # type: ignore[no-untyped-def]
         return None
     ptrty = types.CPointer(like.dtype)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], context.get_value_type(ptrty))
 
     return ptrty(addr, like), codegen
 
 
 @intrinsic
-def _bf16_widen(typingctx, h):  # type: ignore[no-untyped-def]
+def _bf16_widen(typingctx, h):
     """bfloat16 bits -> float32: shift into place, set the quiet bit of NaNs."""
     if not isinstance(h, types.Integer):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         bits = builder.shl(builder.zext(_as_i16(builder, args[0], h), _I32), _c32(16))
         magnitude = builder.and_(bits, _c32(0x7FFFFFFF))
         is_nan = builder.icmp_unsigned(">", magnitude, _c32(0x7F800000))
@@ -213,12 +222,12 @@ def _bf16_widen(typingctx, h):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _bf16_narrow(typingctx, f):  # type: ignore[no-untyped-def]
+def _bf16_narrow(typingctx, f):
     """float32 -> bfloat16 bits, RNE; NaN keeps sign and top payload, gets quiet bit."""
     if f != types.float32:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         x = builder.bitcast(args[0], _I32)
         high = builder.lshr(x, _c32(16))
         # RNE on the 16 dropped bits: add 0x7FFF plus the kept LSB; a carry may
@@ -235,12 +244,41 @@ def _bf16_narrow(typingctx, f):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _f16_widen_hw(typingctx, h):  # type: ignore[no-untyped-def]
+def _bf16_widen_raw(typingctx, h):
+    """bfloat16 bits -> float32 without quieting NaNs: for kernels that
+    canonicalise every NaN result anyway (saves four ops per operand)."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.shl(builder.zext(_as_i16(builder, args[0], h), _I32), _c32(16))
+        return builder.bitcast(bits, _F32)
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def _bf16_round(typingctx, f):
+    """float32 -> bfloat16 bits, RNE, for non-NaN inputs only (callers filter)."""
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        x = builder.bitcast(args[0], _I32)
+        lsb = builder.and_(builder.lshr(x, _c32(16)), _c32(1))
+        rounded = builder.lshr(builder.add(builder.add(x, _c32(0x7FFF)), lsb), _c32(16))
+        return builder.trunc(rounded, _I16)
+
+    return types.uint16(f), codegen
+
+
+@intrinsic
+def _f16_widen_hw(typingctx, h):
     """float16 bits -> float32 with the CPU's conversion (LLVM fpext half)."""
     if not isinstance(h, types.Integer):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         half = builder.bitcast(_as_i16(builder, args[0], h), llir.HalfType())
         return builder.fpext(half, _F32)
 
@@ -248,12 +286,12 @@ def _f16_widen_hw(typingctx, h):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _f16_narrow_hw(typingctx, f):  # type: ignore[no-untyped-def]
+def _f16_narrow_hw(typingctx, f):
     """float32 -> float16 bits with the CPU's conversion (LLVM fptrunc, RNE)."""
     if f != types.float32:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], llir.HalfType()), _I16)
 
     return types.uint16(f), codegen
@@ -265,7 +303,7 @@ def _f16_narrow_hw(typingctx, f):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _f16_to_f32_soft(h):  # type: ignore[no-untyped-def]
+def _f16_to_f32_soft(h):
     x = np.int64(h) & 0xFFFF
     sign = (x & 0x8000) << 16
     em = x & 0x7FFF
@@ -283,7 +321,7 @@ def _f16_to_f32_soft(h):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _f32_to_f16_soft(f):  # type: ignore[no-untyped-def]
+def _f32_to_f16_soft(f):
     x = _f32_to_bits(f)
     sign = (x >> 16) & 0x8000
     a = x & 0x7FFFFFFF
@@ -307,27 +345,27 @@ def _f32_to_f16_soft(f):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _f16_to_f32(h):  # type: ignore[no-untyped-def]
+def _f16_to_f32(h):
     if NATIVE_F16:
         return _f16_widen_hw(h)
     return _f16_to_f32_soft(h)
 
 
 @njit(inline="always")
-def _f32_to_f16(f):  # type: ignore[no-untyped-def]
+def _f32_to_f16(f):
     if NATIVE_F16:
         return _f16_narrow_hw(f)
     return _f32_to_f16_soft(f)
 
 
 @njit(cache=True)
-def f16_bits_to_f32(h):  # type: ignore[no-untyped-def]
+def f16_bits_to_f32(h):
     """float16 bit pattern (any int) -> float32, exact; NaN gets the quiet bit."""
     return _f16_to_f32(h)
 
 
 @njit(cache=True)
-def f32_to_f16_bits(f):  # type: ignore[no-untyped-def]
+def f32_to_f16_bits(f):
     """float32 -> float16 bits (uint16), RNE; overflow -> inf, subnormals kept,
     NaN quieted with sign and top payload bits. A float64 is first rounded to
     float32."""
@@ -335,13 +373,13 @@ def f32_to_f16_bits(f):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def bf16_bits_to_f32(h):  # type: ignore[no-untyped-def]
+def bf16_bits_to_f32(h):
     """bfloat16 bit pattern (any int) -> float32, exact; NaN gets the quiet bit."""
     return _bf16_widen(h)
 
 
 @njit(cache=True)
-def f32_to_bf16_bits(f):  # type: ignore[no-untyped-def]
+def f32_to_bf16_bits(f):
     """float32 -> bfloat16 bits (uint16), RNE; overflow -> inf, subnormals kept,
     NaN quieted with sign and top payload bits. A float64 is first rounded to
     float32."""
@@ -354,26 +392,28 @@ def f32_to_bf16_bits(f):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _widen(h, kind):  # type: ignore[no-untyped-def]
+def _widen(h, kind):
+    """Half bits -> float32 inside kernels, whose NaN results are canonicalised
+    (so bfloat16 NaNs need not be quieted here)."""
     if kind == _BF16:
-        return _bf16_widen(h)
+        return _bf16_widen_raw(h)
     return _f16_to_f32(h)
 
 
 @njit(inline="always")
-def _narrow_canon(f, kind):  # type: ignore[no-untyped-def]
+def _narrow_canon(f, kind):
     """Round a float32 to the half kind; any NaN becomes the canonical one."""
     if kind == _BF16:
         if f != f:
             return np.uint16(_BF16_QNAN)
-        return _bf16_narrow(f)
+        return _bf16_round(f)
     if f != f:
         return np.uint16(_F16_QNAN)
     return _f32_to_f16(f)
 
 
 @njit(inline="always")
-def _half_op(a, b, op, kind):  # type: ignore[no-untyped-def]
+def _half_op(a, b, op, kind):
     wa = _widen(a, kind)
     wb = _widen(b, kind)
     if op == _SUM:
@@ -397,7 +437,7 @@ def _half_op(a, b, op, kind):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _float_op(a, b, op, canon):  # type: ignore[no-untyped-def]
+def _float_op(a, b, op, canon):
     if op == _SUM:
         r = a + b
     elif op == _PROD:
@@ -430,7 +470,7 @@ def _float_op(a, b, op, canon):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _head(arr):  # type: ignore[no-untyped-def]
+def _head(arr):
     """Elements to peel so that ``arr[head:]`` starts on an _ALIGN boundary."""
     head = ((-arr.ctypes.data) & (_ALIGN - 1)) // arr.itemsize
     return min(head, arr.size)
@@ -442,7 +482,7 @@ def _head(arr):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _canonical_nan(arr):  # type: ignore[no-untyped-def]
+def _canonical_nan(arr):
     """The canonical quiet NaN in arr's dtype (what np.nan converts to)."""
     tmp = np.empty(1, arr.dtype)
     tmp[0] = np.nan
@@ -450,7 +490,7 @@ def _canonical_nan(arr):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _half_loop(dst, src, op, kind):  # type: ignore[no-untyped-def]
+def _half_loop(dst, src, op, kind):
     head = _head(dst)
     for i in range(head):
         dst[i] = _half_op(dst[i], src[i], op, kind)
@@ -466,47 +506,47 @@ def _half_loop(dst, src, op, kind):  # type: ignore[no-untyped-def]
 # (~1 s) instead of all eight at once. Explicit top-level functions rather than
 # closures from a factory, so numba's on-disk cache keys them plainly.
 @njit(cache=True, nogil=True)
-def _sum_f16(dst, src):  # type: ignore[no-untyped-def]
+def _sum_f16(dst, src):
     _half_loop(dst, src, _SUM, _F16)
 
 
 @njit(cache=True, nogil=True)
-def _prod_f16(dst, src):  # type: ignore[no-untyped-def]
+def _prod_f16(dst, src):
     _half_loop(dst, src, _PROD, _F16)
 
 
 @njit(cache=True, nogil=True)
-def _max_f16(dst, src):  # type: ignore[no-untyped-def]
+def _max_f16(dst, src):
     _half_loop(dst, src, _MAX, _F16)
 
 
 @njit(cache=True, nogil=True)
-def _min_f16(dst, src):  # type: ignore[no-untyped-def]
+def _min_f16(dst, src):
     _half_loop(dst, src, _MIN, _F16)
 
 
 @njit(cache=True, nogil=True)
-def _sum_bf16(dst, src):  # type: ignore[no-untyped-def]
+def _sum_bf16(dst, src):
     _half_loop(dst, src, _SUM, _BF16)
 
 
 @njit(cache=True, nogil=True)
-def _prod_bf16(dst, src):  # type: ignore[no-untyped-def]
+def _prod_bf16(dst, src):
     _half_loop(dst, src, _PROD, _BF16)
 
 
 @njit(cache=True, nogil=True)
-def _max_bf16(dst, src):  # type: ignore[no-untyped-def]
+def _max_bf16(dst, src):
     _half_loop(dst, src, _MAX, _BF16)
 
 
 @njit(cache=True, nogil=True)
-def _min_bf16(dst, src):  # type: ignore[no-untyped-def]
+def _min_bf16(dst, src):
     _half_loop(dst, src, _MIN, _BF16)
 
 
 @njit(inline="always")
-def _float_loop(dst, src, op, canon):  # type: ignore[no-untyped-def]
+def _float_loop(dst, src, op, canon):
     head = _head(dst)
     for i in range(head):
         dst[i] = _float_op(dst[i], src[i], op, canon)
@@ -520,22 +560,22 @@ def _float_loop(dst, src, op, canon):  # type: ignore[no-untyped-def]
 
 # One kernel per op; numba specialises each for float32 and float64 arrays.
 @njit(cache=True, nogil=True)
-def _sum_float(dst, src):  # type: ignore[no-untyped-def]
+def _sum_float(dst, src):
     _float_loop(dst, src, _SUM, _canonical_nan(dst))
 
 
 @njit(cache=True, nogil=True)
-def _prod_float(dst, src):  # type: ignore[no-untyped-def]
+def _prod_float(dst, src):
     _float_loop(dst, src, _PROD, _canonical_nan(dst))
 
 
 @njit(cache=True, nogil=True)
-def _max_float(dst, src):  # type: ignore[no-untyped-def]
+def _max_float(dst, src):
     _float_loop(dst, src, _MAX, _canonical_nan(dst))
 
 
 @njit(cache=True, nogil=True)
-def _min_float(dst, src):  # type: ignore[no-untyped-def]
+def _min_float(dst, src):
     _float_loop(dst, src, _MIN, _canonical_nan(dst))
 
 
@@ -548,7 +588,7 @@ _HALF_KERNELS = (
 
 
 @njit(cache=True, nogil=True)
-def _scale_float(dst, divisor):  # type: ignore[no-untyped-def]
+def _scale_float(dst, divisor):
     """dst = dst / divisor in dst's precision (one IEEE division), canonical NaN."""
     canon = _canonical_nan(dst)
     tmp = np.empty(1, dst.dtype)
@@ -560,7 +600,7 @@ def _scale_float(dst, divisor):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
-def _avg_half_loop(dst, addrs, divisor, kind):  # type: ignore[no-untyped-def]
+def _avg_half_loop(dst, addrs, divisor, kind):
     n = dst.size
     k = addrs.size
     step = dst.itemsize
@@ -572,9 +612,14 @@ def _avg_half_loop(dst, addrs, divisor, kind):  # type: ignore[no-untyped-def]
         m = min(_BLOCK, n)
     while start < n:
         p = carray(_ptr_like(addrs[0] + step * start, dst), m)
-        for j in range(m):
-            acc[j] = _widen(p[j], kind)
-        for t in range(1, k):
+        if k == 1:
+            for j in range(m):
+                acc[j] = _widen(p[j], kind)
+        else:  # first two parts in one sweep: one pass less over acc
+            r = carray(_ptr_like(addrs[1] + step * start, dst), m)
+            for j in range(m):
+                acc[j] = _widen(p[j], kind) + _widen(r[j], kind)
+        for t in range(2, k):
             p = carray(_ptr_like(addrs[t] + step * start, dst), m)
             for j in range(m):
                 acc[j] += _widen(p[j], kind)
@@ -586,19 +631,19 @@ def _avg_half_loop(dst, addrs, divisor, kind):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _average_f16(dst, addrs, divisor):  # type: ignore[no-untyped-def]
+def _average_f16(dst, addrs, divisor):
     """dst = RN(RN_f32(sum_f32(parts) / divisor)); parts (uint16) by address."""
     _avg_half_loop(dst, addrs, divisor, _F16)
 
 
 @njit(cache=True, nogil=True)
-def _average_bf16(dst, addrs, divisor):  # type: ignore[no-untyped-def]
+def _average_bf16(dst, addrs, divisor):
     """dst = RN(RN_f32(sum_f32(parts) / divisor)); parts (uint16) by address."""
     _avg_half_loop(dst, addrs, divisor, _BF16)
 
 
 @njit(cache=True, nogil=True)
-def _average_float(dst, addrs, divisor):  # type: ignore[no-untyped-def]
+def _average_float(dst, addrs, divisor):
     """dst = RN(RN_f64(sum_f64(parts) / divisor)) for float32/float64 parts."""
     n = dst.size
     k = addrs.size
@@ -612,9 +657,14 @@ def _average_float(dst, addrs, divisor):  # type: ignore[no-untyped-def]
         m = min(_BLOCK, n)
     while start < n:
         p = carray(_ptr_like(addrs[0] + step * start, dst), m)
-        for j in range(m):
-            acc[j] = p[j]
-        for t in range(1, k):
+        if k == 1:
+            for j in range(m):
+                acc[j] = p[j]
+        else:
+            r = carray(_ptr_like(addrs[1] + step * start, dst), m)
+            for j in range(m):
+                acc[j] = np.float64(p[j]) + np.float64(r[j])
+        for t in range(2, k):
             p = carray(_ptr_like(addrs[t] + step * start, dst), m)
             for j in range(m):
                 acc[j] += p[j]
@@ -627,7 +677,7 @@ def _average_float(dst, addrs, divisor):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _average_int(dst, addrs, divisor):  # type: ignore[no-untyped-def]
+def _average_int(dst, addrs, divisor):
     """dst = floor(sum_i64(parts) / divisor) for integers (wraps like NumPy)."""
     n = dst.size
     k = addrs.size
@@ -642,9 +692,14 @@ def _average_int(dst, addrs, divisor):  # type: ignore[no-untyped-def]
     for start in range(0, n, _BLOCK):
         m = min(_BLOCK, n - start)
         p = carray(_ptr_like(addrs[0] + step * start, dst), m)
-        for j in range(m):
-            acc[j] = p[j]
-        for t in range(1, k):
+        if k == 1:
+            for j in range(m):
+                acc[j] = p[j]
+        else:
+            r = carray(_ptr_like(addrs[1] + step * start, dst), m)
+            for j in range(m):
+                acc[j] = np.int64(p[j]) + np.int64(r[j])
+        for t in range(2, k):
             p = carray(_ptr_like(addrs[t] + step * start, dst), m)
             for j in range(m):
                 acc[j] += p[j]
@@ -658,7 +713,7 @@ def _average_int(dst, addrs, divisor):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _to_f32(src, out, kind):  # type: ignore[no-untyped-def]
+def _to_f32(src, out, kind):
     if kind == _BF16:
         for i in range(src.size):
             out[i] = _bf16_widen(src[i])
@@ -668,7 +723,7 @@ def _to_f32(src, out, kind):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True)
-def _from_f32(src, out, kind):  # type: ignore[no-untyped-def]
+def _from_f32(src, out, kind):
     if kind == _BF16:
         for i in range(src.size):
             out[i] = _bf16_narrow(src[i])
@@ -832,12 +887,14 @@ def scale_into(dst: np.ndarray, divisor: int, dtype: DType) -> None:
     * float32/float64: one IEEE division in the element's precision, so the
       correctly rounded quotient (``divisor`` is exact in that precision).
     * float16/bfloat16: ``RN(RN_f32(x / divisor))``, identical to
-      ``average_into(dst, [dst], divisor)``. This is the correctly rounded
-      quotient whenever ``divisor < 2**13`` (float16) / ``2**16`` (bfloat16) and
-      the result is not a bfloat16 subnormal (|q| < 2**-126); otherwise it is
-      within 1 ulp of it. (Proof sketch: x/divisor lies at least
-      ``2**(e_x-23)/divisor`` from any half-way point, farther than the float32
-      rounding moves it.)
+      ``average_into(dst, [dst], divisor)``. That is the correctly rounded
+      quotient whenever ``divisor < 2**(24-p)``, i.e. ``2**13`` for float16
+      (p=11) and ``2**16`` for bfloat16 (p=8), subnormals included; for larger
+      divisors it is within 1 ulp of it. Why: x and every rounding midpoint m
+      of the half format are multiples of ``2**(e-p)`` (e: the quotient's
+      binade, or the subnormal step), so ``|x/divisor - m| >= 2**(e-p)/divisor``,
+      which exceeds the float32 half-ulp ``2**(e-24)``: the float32 rounding
+      cannot carry the quotient onto or across a midpoint.
     * integers: floor division (NumPy ``//``), uint8 included.
 
     ``divisor``: an int in ``[1, 2**24)`` (half and float32 dtypes) or
@@ -873,9 +930,12 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
     ``parts`` -- pass them in the same order on every rank (e.g. rank order) for
     bitwise-identical results, since float addition is not associative. Then:
 
-    * halves: ``RN(RN_f32(acc / divisor))``, the same rounding guarantee as
-      :func:`scale_into` relative to ``acc`` (correctly rounded for
-      ``divisor < 2**13`` except bfloat16 subnormals; within 1 ulp always);
+    * halves: ``RN(RN_f32(acc / divisor))``: the correctly rounded quotient of
+      the float32 accumulator for ``divisor < 2**13`` (float16) / ``2**16``
+      (bfloat16), within 1 ulp of it beyond (same argument as
+      :func:`scale_into`; acc is a float32 and a multiple of the half's
+      smallest subnormal). A bfloat16 sum beyond float32's range (~3.4e38)
+      overflows the accumulator to inf;
     * float32/float64: ``RN(RN_f64(acc / divisor))``;
     * integers: ``floor(acc / divisor)``, wrapped to the dtype.
 

@@ -41,6 +41,7 @@ from .handle import Handle
 _SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
 _MAX_SLEEP_S = 1e-3
 _IDLE_WAIT_S = 1.0
+
 _POOL_LIMIT_BYTES = 512 << 20
 
 
@@ -207,7 +208,7 @@ class Engine:
             if progressed:
                 idle_since, sleep_s = time.monotonic(), 0.0
             elif time.monotonic() - idle_since < _SPIN_S:
-                os.sched_yield()
+                os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
                 time.sleep(sleep_s)

@@ -291,16 +291,18 @@ def _scatter_allgather(g: _Group, root: int) -> None:
     lo, hi = _lowbit_span(v, n)
     if v and _span(offsets, lo, hi).count:
         g.b.recv(_span(offsets, lo, hi), g.peer(root + v - (v & -v)))
-    mask = _pow2_floor(hi - lo - 1) if hi - lo > 1 else 0
+    mask = _pow2_floor(hi - lo - 1) if hi - lo > 1 else 0  # largest child < hi
     while mask:
         child = _span(offsets, v + mask, v + 2 * mask)
-        if v + mask < n and child.count:
+        if child.count:
             g.b.send(child, g.peer(root + v + mask))
         mask >>= 1
     _ring_allgather_skip(g, root, offsets)
 
 
 def _ring_allgather_skip(g: _Group, root: int, offsets: tuple[int, ...]) -> None:
+    """Ring allgather in relative positions: at step s position v forwards
+    chunk v-s to v+1, unless v+1 got that chunk in the scatter already."""
     n, v = g.n, (g.me - root) % g.n
 
     def has(u: int, c: int) -> bool:
