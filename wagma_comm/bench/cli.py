@@ -48,6 +48,9 @@ def add_parser(sub: Any) -> None:
                    help="group size for group_allreduce (default: half the ranks)")
     p.add_argument("--step", type=int, default=0, help="group step for group_allreduce")
     p.add_argument("--algorithm", default=None, help="force a wagma algorithm")
+    p.add_argument("--algorithms", default=None,
+                   help="comma-separated wagma algorithms to time side by side "
+                        "(allreduce only), e.g. recursive_doubling,rabenseifner,ring")
     p.add_argument("--vs", default="mpi", help="peers to compare with: mpi or none")
     p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
     p.add_argument("--csv", default=None, help="write results as CSV (rank 0)")
@@ -125,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
             buf = _pattern(rank, count, dtype.storage, dtype).copy()
             arr = buf.view(dtype.numpy)
             impls: dict[str, Callable[[], object]] = {}
-            if coll == "allreduce":
+            if coll == "allreduce" and args.algorithms:
+                for alg in args.algorithms.split(","):
+                    impls[f"wagma:{alg}"] = (lambda a=alg: comm.allreduce(arr, args.op,
+                                                                          algorithm=a))
+                if use_mpi:
+                    impls["mpi"] = lambda: peer.Allreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
+            elif coll == "allreduce":
                 impls["wagma"] = lambda: comm.allreduce(arr, args.op, algorithm=args.algorithm)
                 if use_mpi:
                     impls["mpi"] = lambda: peer.Allreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
@@ -156,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 row.results[name] = {"time_us": t.avg * 1e6, "min_us": t.min * 1e6,
                                      "max_us": t.max * 1e6, "algbw": algbw,
                                      "busbw": algbw * factor, "wrong": wrong.get(name, -1)}
-            if coll == "group_allreduce":
+            if coll == "group_allreduce" and "wagma" in row.results:
                 groups_count = len(groups.partition(size, gsize, args.step))
                 row.results["wagma"]["aggbw"] = row.results["wagma"]["algbw"] * groups_count
             rows.append(row)
@@ -183,7 +192,7 @@ def _print_header(coll: str, impls: list[str], n: int) -> None:
     head = f"{'size':>10} {'count':>10} {'type':>8} {'redop':>5}"
     for name in impls:
         head += f" | {name + ' time(us)':>19} {'algbw':>6} {'busbw':>6} {'#wrong':>6}"
-    if "mpi" in impls:
+    if "mpi" in impls and "wagma" in impls:
         head += f" | {'wagma/mpi':>9}"
     if "wagma-global" in impls:
         head += f" {'group/global':>12}"
@@ -195,7 +204,7 @@ def _print_row(row: Row) -> None:
     for r in row.results.values():
         wrong = "n/a" if r["wrong"] < 0 else str(r["wrong"])
         line += f" | {r['time_us']:>19.1f} {r['algbw']:>6.2f} {r['busbw']:>6.2f} {wrong:>6}"
-    if "mpi" in row.results:
+    if "mpi" in row.results and "wagma" in row.results:
         line += f" | {row.results['wagma']['time_us'] / row.results['mpi']['time_us']:>9.2f}"
     if "wagma-global" in row.results:
         ratio = row.results["wagma"]["time_us"] / row.results["wagma-global"]["time_us"]
@@ -210,7 +219,8 @@ def _print_summary(rows: list[Row]) -> None:
     def verdict(ok: bool) -> str:
         return "PASS" if ok else "FAIL"
 
-    ar = [r for r in rows if r.collective == "allreduce" and "mpi" in r.results]
+    ar = [r for r in rows if r.collective == "allreduce" and "mpi" in r.results
+          and "wagma" in r.results]
     big = [r for r in ar if r.nbytes >= 16 << 20 and r.dtype == "float32"]
     if big:
         worst = max(r.results["wagma"]["time_us"] / r.results["mpi"]["time_us"] for r in big)
