@@ -28,7 +28,7 @@ from .runtime import debug
 from .runtime.engine import Engine, Stage, Work
 from .runtime.handle import Handle
 from .schedule import algorithms
-from .schedule.ir import DATA, Schedule
+from .schedule.ir import DATA, Native, Schedule
 from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -133,8 +133,6 @@ class Communicator:
         name = self._check_algorithm(
             algorithm, algorithms.BROADCAST_ALGORITHMS,
             lambda: algorithms.choose_broadcast(buffer.nbytes, len(ranks)))
-        if name == "native":
-            self._check_native_group(ranks)
         sched = algorithms.compile_broadcast(self.rank, ranks, buffer.count, root, name)
         text = (f"broadcast(count={buffer.count},dtype={buffer.dtype.name},root={root},"
                 f"algorithm={name})")
@@ -198,9 +196,6 @@ class Communicator:
                 "algorithm", f"unknown algorithm {algorithm!r}; expected one of {list(known)}")
         return algorithm
 
-    def _check_native_group(self, ranks: tuple[int, ...]) -> None:
-        del ranks  # every group can get a native communicator over MPI
-
     def _reduce(self, collective: str, buf: Any, ranks: tuple[int, ...], op: str,
                 algorithm: str | None, timeout: Any, async_op: bool, extra: str) -> Any:
         self._check_open()
@@ -249,8 +244,6 @@ class Communicator:
         """Native collectives over a group need the group's own MPI communicator,
         created once, after a barrier over the group proves every member present
         (so the blocking creation call cannot hang on a missing rank)."""
-        from .schedule.ir import Native
-
         out: list[Stage] = []
         for op in sched.ops:
             if not isinstance(op, Native) or op.ranks in self._native_groups:

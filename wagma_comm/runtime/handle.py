@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import WaitTimeoutError
+from ..errors import CommunicatorClosedError, WaitTimeoutError
 
 # How long a waiter trusts the engine past the collective's own deadline before
 # concluding the progress thread itself is gone (it fails runs at the deadline).
@@ -22,7 +22,7 @@ class Handle:
     """
 
     __slots__ = ("collective", "round", "_event", "_result", "_error", "_deadline",
-                 "_engine_alive", "_on_wait", "started", "finished")
+                 "_engine_alive", "started", "finished")
 
     def __init__(self, collective: str, round: int, deadline: float,
                  engine_alive: Callable[[], bool]) -> None:
@@ -74,8 +74,6 @@ class Handle:
         else:
             while not self._event.wait(0.5):
                 if not self._engine_alive() or time.monotonic() > self._deadline + _GRACE_S:
-                    from ..errors import CommunicatorClosedError
-
                     raise CommunicatorClosedError(
                         f"{self.collective} (round {self.round}): the progress engine "
                         "stopped before completing it"
