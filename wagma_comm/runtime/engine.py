@@ -43,6 +43,7 @@ _MAX_SLEEP_S = 1e-3
 _IDLE_WAIT_S = 1.0
 
 _POOL_LIMIT_BYTES = 512 << 20
+_PLAN_CACHE_LIMIT = 4096
 
 
 @dataclass
@@ -184,18 +185,21 @@ class Engine:
         idle_since = time.monotonic()
         sleep_s = 0.0
         while True:
-            with self._cv:
-                while (not self._incoming and not self._active and not self._waiting
-                       and not self._closing):
-                    self._cv.wait(_IDLE_WAIT_S)
-                    self._stats["idle_wakeups"] += 1
-                self._waiting.extend(self._incoming)
-                self._incoming.clear()
-                closing, cancel = self._closing, self._cancel_pending
-            if cancel:
-                self._fail_all(CommunicatorClosedError("communicator closed while in flight"))
-            if closing and not self._active and not self._waiting:
-                return
+            # Take the lock only when there is something to take or nothing to
+            # do; a spin iteration with work in flight and none arriving skips it.
+            if self._incoming or self._closing or not (self._active or self._waiting):
+                with self._cv:
+                    while (not self._incoming and not self._active and not self._waiting
+                           and not self._closing):
+                        self._cv.wait(_IDLE_WAIT_S)
+                        self._stats["idle_wakeups"] += 1
+                    self._waiting.extend(self._incoming)
+                    self._incoming.clear()
+                    closing, cancel = self._closing, self._cancel_pending
+                if cancel:
+                    self._fail_all(CommunicatorClosedError("communicator closed while in flight"))
+                if closing and not self._active and not self._waiting:
+                    return
             progressed = self._start_waiting()
             try:
                 for run in list(self._active):
@@ -232,6 +236,8 @@ class Engine:
         sched = stage.schedule
         cached = self._plans.get(id(sched))
         if cached is None or cached[0] is not sched:
+            if len(self._plans) >= _PLAN_CACHE_LIMIT:  # bounded: many sizes over a job
+                self._plans.clear()
             cached = (sched, _plan(sched))
             self._plans[id(sched)] = cached
         arrays = dict(stage.arrays)
