@@ -17,6 +17,13 @@ from .errors import (
     WagmaError,
     WaitTimeoutError,
 )
+from .partial import (
+    MajorityAllreduce,
+    PartialCollective,
+    RoundInfo,
+    SoloAllreduce,
+    WaitAvoidingGroupAllreduce,
+)
 from .runtime.handle import Handle
 
 __version__ = "0.1.0"
@@ -25,6 +32,11 @@ __all__ = [
     "init",
     "Communicator",
     "Handle",
+    "RoundInfo",
+    "PartialCollective",
+    "WaitAvoidingGroupAllreduce",
+    "SoloAllreduce",
+    "MajorityAllreduce",
     "DEFAULT_TIMEOUT_S",
     "WagmaError",
     "InvalidArgumentError",

@@ -66,6 +66,7 @@ class Communicator:
         self._native_groups: set[tuple[int, ...]] = set()
         self._closed = False
         self._calls: dict[str, int] = {}
+        self._partials = 0
 
     # -- properties -----------------------------------------------------------
     @property
@@ -146,6 +147,74 @@ class Communicator:
         token = np.zeros(1, dtype=np.uint8)
         self._submit("barrier", "barrier()", sched, token, deadline_s, False,
                      dtype=UINT8, result=None)
+
+    # -- persistent partial collectives ----------------------------------------
+    def wait_avoiding_group_allreduce(self, buf: Any, group_size: int, sync_every: int, *,
+                                      activation: str = "global",
+                                      normalization: str = "wagma",
+                                      timeout: float | None = None,
+                                      algorithm: str | None = None) -> Any:
+        """WAGMA model averaging over shifting groups of at most ``group_size``
+        ranks; every ``sync_every``-th step is a blocking global mean. Collective:
+        every rank creates it, in the same order as other collectives. ``buf``
+        is the initial model (shape/dtype of every later step). See
+        docs/partial.md."""
+        from .partial.wagma import WaitAvoidingGroupAllreduce
+
+        return self._create(WaitAvoidingGroupAllreduce(
+            self, buf, group_size, sync_every, activation=activation,
+            normalization=normalization, timeout=timeout, algorithm=algorithm))
+
+    def solo_allreduce(self, buf: Any, sync_every: int, *, op: str = "avg",
+                       timeout: float | None = None, algorithm: str | None = None) -> Any:
+        """eager-SGD's solo allreduce of gradients: the first rank to arrive
+        activates each round. Collective; see docs/partial.md."""
+        from .partial.eager import SoloAllreduce
+
+        return self._create(SoloAllreduce(self, buf, sync_every, op=op, timeout=timeout,
+                                          algorithm=algorithm))
+
+    def majority_allreduce(self, buf: Any, sync_every: int, *, seed: int = 0,
+                           op: str = "avg", timeout: float | None = None,
+                           algorithm: str | None = None) -> Any:
+        """eager-SGD's majority allreduce: round ``t`` is activated by a rank
+        drawn from (seed, t), the same on every rank. Collective."""
+        from .partial.eager import MajorityAllreduce
+
+        return self._create(MajorityAllreduce(self, buf, sync_every, seed=seed, op=op,
+                                              timeout=timeout, algorithm=algorithm))
+
+    def _create(self, partial: Any) -> Any:
+        partial._open()
+        with self._lock:
+            self._calls[partial.kind] = self._calls.get(partial.kind, 0) + 1
+        return partial
+
+    def _register_partial(self) -> int:
+        self._check_open()
+        with self._lock:
+            self._partials += 1
+            return self._partials
+
+    def _open_channels(self, collective: str, names: tuple[str, ...], timeout: float) -> None:
+        """Collective: a barrier proves every rank present, then the progress
+        thread creates the channels (blocking MPI calls that cannot hang now)."""
+        self._check_open()
+        deadline_s = self._call_timeout(timeout)
+        sched = algorithms.compile_barrier(self.rank, tuple(range(self.size)))
+        token = np.zeros(1, dtype=np.uint8)
+        with self._lock:
+            self._check_open()
+            seq = self._seq
+            self._seq += 1
+            stage = Stage(sched, CHANNEL_SETUP, {DATA: token}, UINT8,
+                          on_done=lambda: self._transport.open_channels(names),
+                          label=f"set-up of {collective}")
+            now = time.monotonic()
+            handle = Handle(collective, seq, now + deadline_s, self._engine.alive)
+            self._engine.submit(Work(seq, collective, handle, [stage], now + deadline_s,
+                                     deadline_s, keepalive=token))
+        handle.wait()
 
     # -- lifecycle ------------------------------------------------------------
     def close(self, cancel: bool = False) -> None:

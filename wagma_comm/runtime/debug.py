@@ -16,8 +16,8 @@ import numpy as np
 
 from ..dtypes import UINT8
 from ..errors import MismatchError
-from ..schedule.build import ScheduleBuilder
-from ..schedule.ir import DATA, Schedule, Slot
+from ..schedule.algorithms import EXCHANGE_SCRATCH, compile_exchange
+from ..schedule.ir import DATA
 from ..transport.base import CHANNEL_DEBUG
 from .engine import Stage
 
@@ -35,27 +35,11 @@ def decode(arr: np.ndarray) -> str:
     return bytes(arr).rstrip(b"\0").decode(errors="replace")
 
 
-def _exchange_schedule(rank: int, size: int) -> Schedule:
-    b = ScheduleBuilder("fingerprint", "all_to_all", rank, tuple(range(size)),
-                        FINGERPRINT_BYTES)
-    peers = b.scratch("peers", FINGERPRINT_BYTES * size)
-    for r in range(size):
-        if r != rank:
-            b.send(Slot(DATA, 0, FINGERPRINT_BYTES), r)
-            b.recv(Slot(peers, r * FINGERPRINT_BYTES, FINGERPRINT_BYTES), r)
-    return b.build()
-
-
-_cache: dict[tuple[int, int], Schedule] = {}
-
-
 def fingerprint_stage(rank: int, size: int, seq: int, collective: str,
                       text: str) -> Stage:
     """A stage that exchanges ``text`` with every rank and raises MismatchError
     on any difference."""
-    sched = _cache.get((rank, size))
-    if sched is None:
-        sched = _cache[(rank, size)] = _exchange_schedule(rank, size)
+    sched = compile_exchange(rank, tuple(range(size)), FINGERPRINT_BYTES)
     mine = encode(text)
     peers = np.zeros(FINGERPRINT_BYTES * size, dtype=np.uint8)
 
@@ -71,4 +55,4 @@ def fingerprint_stage(rank: int, size: int, seq: int, collective: str,
             raise MismatchError(collective, seq, details, text)
 
     on_done: Callable[[], None] = compare
-    return Stage(sched, CHANNEL_DEBUG, {DATA: mine, "peers": peers}, UINT8, on_done)
+    return Stage(sched, CHANNEL_DEBUG, {DATA: mine, EXCHANGE_SCRATCH: peers}, UINT8, on_done)

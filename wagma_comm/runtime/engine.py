@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ class Stage:
     arrays: dict[str, np.ndarray]
     dtype: DType
     on_done: Callable[[], None] | None = None
+    label: str | None = None  # what a timeout message calls this stage
 
 
 @dataclass
@@ -71,6 +72,24 @@ class Work:
     timeout: float
     result: Any = None
     keepalive: Any = None  # the user's buffer, alive until completion
+    # Message-identity space of ``seq``: the communicator's own sequence or a
+    # persistent collective's rounds (which advance independently).
+    space: Any = None
+    # Called on the progress thread with (result, error) just before the
+    # handle completes: how services learn that a round they started finished.
+    on_complete: Callable[[Any, BaseException | None], None] | None = None
+
+
+class Service(Protocol):
+    """Something the progress thread drives besides submitted work: the
+    persistent partial collectives, which must react to activations that
+    arrive while their application thread is busy."""
+
+    def progress(self) -> bool:
+        """Do what is due; return True if anything happened. Progress thread."""
+
+    def fail(self, error: WagmaError) -> None:
+        """The engine broke or closed: fail everything pending."""
 
 
 class _Run:
@@ -143,6 +162,8 @@ class Engine:
         self._plans: dict[int, tuple[Schedule, Any]] = {}
         self._pool = _ScratchPool()
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
+        self._services: list[Service] = []
+        self._woken = False
         self._closing = False
         self._cancel_pending = False
         self.broken: WagmaError | None = None
@@ -166,6 +187,44 @@ class Engine:
             self._incoming.append(work)
             self._cv.notify()
 
+    def wake(self) -> None:
+        """Make the progress thread look at its services now (thread-safe)."""
+        with self._cv:
+            self._woken = True
+            self._cv.notify()
+
+    def add_service(self, service: Service) -> None:
+        """Have the progress thread call ``service.progress()`` every turn."""
+        with self._cv:
+            if self._closing or self.broken is not None:
+                raise CommunicatorClosedError("communicator is closed or broken")
+            self._services = self._services + [service]
+            self._cv.notify()
+
+    def remove_service(self, service: Service) -> None:
+        with self._cv:
+            self._services = [s for s in self._services if s is not service]
+
+    # -- progress-thread side, for services -----------------------------------
+    def start(self, work: Work) -> None:
+        """Queue work from the progress thread itself (a service's round)."""
+        self._waiting.append(work)
+
+    def post(self, request: Any, callback: Callable[[], None]) -> None:
+        """Poll ``request`` with everything else; call ``callback`` (progress
+        thread) once it completes. For a service's own messages."""
+        self._requests.append(request)
+        self._owners.append((None, callback))
+
+    def cancel_posted(self, callback: Callable[[], None]) -> None:
+        """Cancel the receive posted with ``callback`` (a listener)."""
+        for k, owner in enumerate(self._owners):
+            if owner[0] is None and owner[1] == callback:
+                self._transport.cancel_recv(self._requests[k])
+                del self._requests[k]
+                del self._owners[k]
+                return
+
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop the thread: drain in-flight work (each has a finite deadline), or
         fail it with CommunicatorClosedError when ``cancel``."""
@@ -187,10 +246,11 @@ class Engine:
         while True:
             # Take the lock only when there is something to take or nothing to
             # do; a spin iteration with work in flight and none arriving skips it.
-            if self._incoming or self._closing or not (self._active or self._waiting):
+            busy = self._active or self._waiting or self._services
+            if self._incoming or self._closing or not busy:
                 with self._cv:
                     while (not self._incoming and not self._active and not self._waiting
-                           and not self._closing):
+                           and not self._services and not self._closing):
                         self._cv.wait(_IDLE_WAIT_S)
                         self._stats["idle_wakeups"] += 1
                     self._waiting.extend(self._incoming)
@@ -198,10 +258,15 @@ class Engine:
                     closing, cancel = self._closing, self._cancel_pending
                 if cancel:
                     self._fail_all(CommunicatorClosedError("communicator closed while in flight"))
+                if closing and self._services:
+                    self._stop_services(CommunicatorClosedError("communicator closed"))
                 if closing and not self._active and not self._waiting:
                     return
-            progressed = self._start_waiting()
+            progressed = False
             try:
+                for service in self._services:
+                    progressed |= service.progress()
+                progressed |= self._start_waiting()
                 for run in list(self._active):
                     progressed |= self._advance(run)
                 progressed |= self._poll()
@@ -215,14 +280,19 @@ class Engine:
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
-                time.sleep(sleep_s)
+                with self._cv:  # a submission or wake() cuts the nap short
+                    if not self._incoming and not self._woken:
+                        self._cv.wait(sleep_s)
+                    self._woken = False
 
     def _start_waiting(self) -> bool:
         started = False
         window = self._transport.seq_window
         while self._waiting:
             work = self._waiting[0]
-            if self._active and work.seq - self._active[0].work.seq >= window:
+            oldest = min((r.work.seq for r in self._active if r.work.space == work.space),
+                         default=work.seq)
+            if work.seq - oldest >= window:
                 break  # would reuse a live message identity: wait
             self._waiting.popleft()
             run = _Run(work)
@@ -326,6 +396,9 @@ class Engine:
         self._requests = [self._requests[k] for k in keep]
         self._owners = [self._owners[k] for k in keep]
         for run, i in completions:
+            if run is None:
+                i()  # a service's request
+                continue
             if run.posted.pop(i, None) is None:
                 continue  # its run already failed
             op = run.ops[i]
@@ -366,7 +439,8 @@ class Engine:
                 self._transport.abandon(req)
             self._abandoned.append(run.work.keepalive)
             self._abandoned.extend(run.borrowed)
-            pairs = [(r, o) for r, o in zip(self._requests, self._owners) if o[0] is not run]
+            pairs = [(r, o) for r, o in zip(self._requests, self._owners)
+                     if o[0] is not run]
             self._requests = [r for r, _ in pairs]
             self._owners = [o for _, o in pairs]
             run.posted.clear()
@@ -376,6 +450,8 @@ class Engine:
         run.stage_index = -1
         run.ready.clear()
         self._stats["completed" if error is None else "failed"] += 1
+        if run.work.on_complete is not None:
+            run.work.on_complete(result, error)
         run.work.handle._complete(result, error)
 
     def _check_deadlines(self) -> None:
@@ -393,8 +469,8 @@ class Engine:
                           if isinstance(run.ops[i], Recv)})
         if not waiting:
             waiting = sorted({r for i in run.posted for r in _peers_of(run.ops[i], run)})
-        what = ("debug fingerprint exchange" if run.stage.channel == "debug"
-                else "group set-up" if run.stage.channel == "setup" else "data exchange")
+        what = {"debug": "debug fingerprint exchange", "setup": "group set-up"}.get(
+            run.stage.channel, run.stage.label or "data exchange")
         return CollectiveTimeoutError(
             run.work.collective, run.work.seq, waiting,
             f"timed out after {run.work.timeout:g} s in its {what}, "
@@ -404,6 +480,13 @@ class Engine:
     def _break(self, error: TransportError) -> None:
         self.broken = self.broken or error
         self._fail_all(error)
+        self._stop_services(error)
+
+    def _stop_services(self, error: WagmaError) -> None:
+        with self._cv:
+            services, self._services = self._services, []
+        for service in services:
+            service.fail(error)
 
     def _fail_all(self, error: WagmaError) -> None:
         for run in list(self._active):

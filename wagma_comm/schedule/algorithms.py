@@ -361,6 +361,26 @@ def compile_barrier(rank: int, ranks: tuple[int, ...]) -> Schedule:
     return b.build()
 
 
+# -- all-to-all exchange ---------------------------------------------------------
+EXCHANGE_SCRATCH = "peers"
+
+
+@lru_cache(maxsize=_CACHE_SIZE)
+def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
+    """Every member sends its ``count`` elements to every other, each received
+    into scratch ``"peers"`` at ``position * count``. Not bandwidth-optimal, but
+    a missing member is then named directly by whoever waits for it (debug
+    fingerprints, the arrival check of a synchronous round)."""
+    me = _check_group(rank, ranks, count)
+    b = ScheduleBuilder("exchange", "all_to_all", rank, ranks, count)
+    peers = b.scratch(EXCHANGE_SCRATCH, count * len(ranks))
+    for pos, r in enumerate(ranks):
+        if pos != me:
+            b.send(Slot(DATA, 0, count), r)
+            b.recv(Slot(peers, pos * count, count), r)
+    return b.build()
+
+
 # -- whole groups --------------------------------------------------------------
 def compile_group(collective: str, ranks: tuple[int, ...] | list[int], count: int = 0,
                   op: str = "", root: int = -1,

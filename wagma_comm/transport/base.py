@@ -48,6 +48,21 @@ class Transport(ABC):
         """Start receiving into ``array``; returns a request."""
 
     @abstractmethod
+    def irecv_any(self, array: np.ndarray, channel: str) -> Any:
+        """Start receiving ``array`` from any rank with message number 0 and
+        sequence 0 (activation tokens, which carry their identity inside)."""
+
+    @abstractmethod
+    def open_channels(self, names: Sequence[str]) -> None:
+        """Create channels beyond the built-in ones (a persistent collective's
+        own message space). Blocking and collective over all ranks, in the same
+        order everywhere: called only after a barrier proved every rank there."""
+
+    @abstractmethod
+    def close_channels(self, names: Sequence[str]) -> None:
+        """Release channels made by :meth:`open_channels` (local)."""
+
+    @abstractmethod
     def has_group(self, ranks: Sequence[int]) -> bool:
         """Whether a native collective over ``ranks`` can start without setup."""
 
@@ -79,6 +94,10 @@ class Transport(ABC):
     def abandon(self, request: Any) -> None:
         """Give up on a request after a timeout (cancel a receive; a send is
         left to finish on its own)."""
+
+    @abstractmethod
+    def cancel_recv(self, request: Any) -> None:
+        """Cancel a pending receive and complete it (a listener being shut)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -52,6 +52,27 @@ class MPITransport(Transport):
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         return self._comms[channel].Irecv(array, peer, self._tag(seq, msg))
 
+    def irecv_any(self, array: np.ndarray, channel: str) -> Any:
+        return self._comms[channel].Irecv(array, MPI.ANY_SOURCE, self._tag(0, 0))
+
+    def open_channels(self, names: Sequence[str]) -> None:
+        base = self._comms[CHANNELS[0]]
+        for name in names:
+            if name in self._comms:
+                raise TransportError(f"channel {name!r} already open")
+            comm = base.Dup()
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
+            self._comms[name] = comm
+
+    def close_channels(self, names: Sequence[str]) -> None:
+        for name in names:
+            comm = self._comms.pop(name, None)
+            if comm is not None:
+                try:
+                    comm.Free()
+                except MPI.Exception:
+                    pass
+
     # -- native collectives -------------------------------------------------
     def _group_comm(self, ranks: Sequence[int]) -> MPI.Comm:
         key = tuple(ranks)
@@ -103,6 +124,15 @@ class MPITransport(Transport):
     def abandon(self, request: Any) -> None:
         try:
             request.Cancel()
+        except MPI.Exception:
+            pass
+
+    def cancel_recv(self, request: Any) -> None:
+        # Cancelling a receive is local, so the wait returns at once; it hands
+        # the request back to MPI (else MPI reports it leaked at finalize).
+        try:
+            request.Cancel()
+            request.Wait()
         except MPI.Exception:
             pass
 

@@ -1,0 +1,324 @@
+"""Persistent partial collectives under a real MPI job (any number of ranks).
+
+Wait-avoidance is tested without timing: the slow rank does not call ``step``
+at all until the others have finished theirs (a plain MPI barrier on another
+communicator orders it), so if any fast round waited for the slow rank's
+application thread the test would hang and fail at its timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import wagma_comm
+from wagma_comm import Communicator, RoundInfo
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+SLOW = SIZE - 1
+SCOPES = ["global", "group"]
+
+
+def _gather(value: Any) -> list[Any]:
+    return WORLD.allgather(value)
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+# -- WAGMA -------------------------------------------------------------------------
+@pytest.mark.parametrize("scope", SCOPES)
+def test_wagma_fast_ranks_do_not_wait_and_see_the_stale_model(
+        comm: Communicator, scope: str) -> None:
+    """Integer-valued models: fast rank f always publishes f+1, the slow rank has
+    published nothing, so its contribution is the initial model (100). Every
+    fast result is then exactly predictable, whoever was late among the fast."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    steps, group_size = 6, 2
+    initial = np.full(4, 100.0)
+    w = comm.wait_avoiding_group_allreduce(initial, group_size, sync_every=steps + 2,
+                                           activation=scope)
+    value = {r: float(r + 1) for r in range(SIZE)}
+    value[SLOW] = 100.0
+    if RANK != SLOW:
+        for t in range(steps):
+            model = np.full(4, value[RANK])
+            info = w.step(model)
+            assert isinstance(info, RoundInfo) and info.round >= t and not info.synchronized
+            group = comm.group_of(group_size, info.step)
+            assert info.group == tuple(group)
+            n = len(group)
+            expected = (sum(value[j] for j in group) + value[RANK]) / (n + 1)
+            assert np.all(model == expected), (t, group, model, expected)
+            if SLOW in group:
+                assert SLOW not in info.fresh
+    WORLD.Barrier()  # the slow rank starts stepping only now
+    if RANK == SLOW:
+        for t in range(steps):
+            model = np.full(4, 7.0)
+            info = w.step(model)
+            assert info.iteration == t and info.round >= t
+            assert info.staleness >= 1  # its round had already started without it
+    WORLD.Barrier()
+    stats = w.statistics()
+    if RANK == SLOW:
+        assert stats["late_steps"] >= 1 and stats["stale_contributions"] >= 1
+    w.flush()
+    w.close()
+
+
+def test_wagma_global_group_slow_rank_staleness_is_exact(comm: Communicator) -> None:
+    """With the group of all ranks every fast round needs the slow rank's
+    progress thread, so all rounds had started there: step t of the slow rank
+    is exactly ``steps - t`` rounds behind."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    steps = 5
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), SIZE, sync_every=steps + 1,
+                                           normalization="mean")
+    if RANK != SLOW:
+        for _ in range(steps):
+            info = w.step(np.full(3, 1.0))
+            assert SLOW not in info.fresh
+    WORLD.Barrier()
+    if RANK == SLOW:
+        for t in range(steps):
+            model = np.zeros(3)
+            info = w.step(model)
+            assert info.staleness == steps - t
+            assert info.round >= t
+    # the sync round: everyone waits for everyone, nobody is stale
+    model = np.full(3, float(RANK))
+    info = w.step(model)
+    assert info.synchronized and info.staleness == 0 and info.fresh == tuple(range(SIZE))
+    assert np.all(model == sum(range(SIZE)) / SIZE)
+    w.close()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
+        comm: Communicator, scope: str, dtype: str) -> None:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    rng = np.random.default_rng(RANK)
+    for group_size in range(1, SIZE + 1):
+        sync_every = 3
+        model = rng.standard_normal(37).astype(dtype)
+        w = comm.wait_avoiding_group_allreduce(model.copy(), group_size, sync_every,
+                                               activation=scope)
+        for t in range(2 * sync_every):
+            if RANK == SLOW and t % 2:
+                time.sleep(0.002)  # uneven arrival; the verdict never depends on it
+            info = w.step(model)
+            assert info.staleness < sync_every
+            if info.synchronized:
+                digests = _gather(_digest(model))
+                assert len(set(digests)) == 1, (group_size, t)
+            model += np.asarray(rng.standard_normal(37), dtype=dtype)  # "optimizer step"
+        assert w.statistics()["max_staleness"] < sync_every
+        w.close()
+
+
+# -- solo / majority ---------------------------------------------------------------
+def _conserve(c: Any, steps: int, sleepy: bool) -> tuple[np.ndarray, list[RoundInfo], list[str]]:
+    rng = np.random.default_rng(100 + RANK)
+    received = np.zeros(5, dtype=np.int64)
+    infos, digests = [], []
+    inputs = np.zeros(5, dtype=np.int64)
+    for t in range(steps):
+        if sleepy and RANK == SLOW and t % 3 == 0:
+            time.sleep(0.003)
+        g = rng.integers(-1000, 1000, 5)
+        inputs += g
+        info = c.step(g)
+        received += g
+        infos.append(info)
+        digests.append(_digest(g))
+    final = np.zeros(5, dtype=np.int64)
+    info = c.flush(final)
+    assert info.synchronized
+    received += final
+    total_inputs = np.zeros(5, dtype=np.int64)
+    WORLD.Allreduce(inputs, total_inputs)
+    assert np.array_equal(received, total_inputs), (received, total_inputs)
+    return received, infos, digests
+
+
+@pytest.mark.parametrize("kind", ["solo", "majority"])
+def test_no_contribution_is_lost_or_duplicated(comm: Communicator, kind: str) -> None:
+    sync_every = 4
+    make = comm.solo_allreduce if kind == "solo" else comm.majority_allreduce
+    c = make(np.zeros(5, dtype=np.int64), sync_every, op="sum")
+    _, infos, digests = _conserve(c, 4 * sync_every + 3, sleepy=True)
+    # every rank got the same result for every round: replicas stay equal
+    everyone = _gather(digests)
+    assert all(d == everyone[0] for d in everyone)
+    for t, info in enumerate(infos):
+        assert info.round == t and info.staleness < sync_every
+        assert info.synchronized == ((t + 1) % sync_every == 0)
+    assert c.statistics()["pending_steps"] == []
+    c.close()
+
+
+def test_slow_rank_gradients_land_in_later_rounds(comm: Communicator) -> None:
+    """The slow rank steps only after the others finished: its gradients all
+    missed their rounds and must arrive through the flush."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    steps = 3
+    c = comm.solo_allreduce(np.zeros(2, dtype=np.int64), sync_every=steps + 5, op="sum")
+    got = np.zeros(2, dtype=np.int64)
+    if RANK != SLOW:
+        for _ in range(steps):
+            g = np.full(2, 1, dtype=np.int64)
+            info = c.step(g)
+            got += g
+            assert SLOW not in info.fresh
+    WORLD.Barrier()
+    if RANK == SLOW:
+        for t in range(steps):
+            g = np.full(2, 1000, dtype=np.int64)
+            info = c.step(g)
+            got += g
+            assert info.round == t and info.staleness >= 1 and SLOW not in info.fresh
+        assert c.statistics()["pending_steps"] == [0, 1, 2]
+    final = np.zeros(2, dtype=np.int64)
+    c.flush(final)
+    got += final
+    assert np.all(got == (SIZE - 1) * steps + 1000 * steps)
+    assert np.all(final >= 1000 * steps)  # the slow rank's inputs arrive in the flush
+    c.close()
+
+
+def test_majority_activator_sequence_is_the_same_everywhere(comm: Communicator) -> None:
+    c = comm.majority_allreduce(np.zeros(3, np.float32), sync_every=5, seed=11)
+    seq = []
+    for t in range(12):
+        info = c.step(np.ones(3, np.float32))
+        if not info.synchronized:
+            assert info.activator == c.activator(t)
+        seq.append(info.activator)
+    assert all(s == seq for s in _gather(seq))
+    c.flush()
+    c.close()
+
+
+def test_solo_average_matches_allreduce_when_nobody_is_late(comm: Communicator) -> None:
+    c = comm.solo_allreduce(np.zeros(6), sync_every=1)  # every round synchronous
+    g = np.arange(6, dtype=np.float64) * (RANK + 1)
+    info = c.step(g)
+    assert info.synchronized
+    assert np.allclose(g, np.arange(6) * (SIZE + 1) / 2)
+    c.close()
+
+
+# -- bad input and failures -------------------------------------------------------
+BAD = [
+    ("sync_every 0", lambda c: c.solo_allreduce(np.zeros(2), 0), "sync_every"),
+    ("sync_every float", lambda c: c.majority_allreduce(np.zeros(2), 2.0), "sync_every"),
+    ("activation", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, activation="world"), "activation"),
+    ("normalization", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, normalization="median"), "normalization"),
+    ("group_size", lambda c: c.wait_avoiding_group_allreduce(np.zeros(2), SIZE + 1, 2),
+     "group_size"),
+    ("op", lambda c: c.solo_allreduce(np.zeros(2), 2, op="max"), "op"),
+    ("seed", lambda c: c.majority_allreduce(np.zeros(2), 2, seed="x"), "seed"),
+    ("algorithm", lambda c: c.solo_allreduce(np.zeros(2), 2, algorithm="native"),
+     "algorithm"),
+    ("timeout", lambda c: c.solo_allreduce(np.zeros(2), 2, timeout=-1), "timeout"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments_are_refused_before_communicating(comm: Communicator, case: Any) -> None:
+    _, make, argument = case
+    before = comm.statistics()["completed"]
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        make(comm)
+    assert info.value.argument == argument
+    assert comm.statistics()["completed"] == before
+
+
+def test_step_with_another_buffer_and_after_close(comm: Communicator) -> None:
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4, np.float32), 1, 3)
+    for bad in (np.zeros(5, np.float32), np.zeros(4, np.float64)):
+        with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+            w.step(bad)
+        assert info.value.argument == "buf"
+    w.step(np.zeros(4, np.float32))  # still usable
+    w.step(np.zeros(4, np.float32))
+    w.step(np.zeros(4, np.float32))  # round 2 is the sync round
+    w.close()
+    with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+        w.step(np.zeros(4, np.float32))
+    w.close()  # idempotent
+
+
+def test_async_step_returns_a_handle(comm: Communicator) -> None:
+    c = comm.solo_allreduce(np.zeros(3), sync_every=2, op="sum")
+    g = np.ones(3)
+    handle = c.step(g, async_op=True)
+    info = handle.wait()
+    assert info.round == 0 and handle.done
+    g2 = np.ones(3)
+    c.step(g2)  # the sync round
+    assert g.sum() + g2.sum() <= 3 * 2 * SIZE
+    rest = np.zeros(3)
+    c.flush(rest)
+    assert np.all(g + g2 + rest == 2 * SIZE)
+    c.close()
+
+
+def test_a_rank_that_stops_stepping_is_named_at_the_sync_round() -> None:
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    c = wagma_comm.init(timeout=30)
+    w = c.wait_avoiding_group_allreduce(np.zeros(2), 1 if SIZE < 2 else 2, sync_every=3,
+                                        timeout=1.0)
+    if RANK != SLOW:
+        w.step(np.zeros(2))
+        w.step(np.zeros(2))
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            w.step(np.zeros(2))  # round 2: synchronous, the slow rank never comes
+        err = info.value
+        assert err.collective == "wait_avoiding_group_allreduce" and err.round == 2
+        assert err.ranks == (SLOW,)
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            w.step(np.zeros(2))
+        w.close()  # broken: released locally
+    WORLD.Barrier()
+    if RANK == SLOW:  # close() is collective; the others are gone
+        with pytest.raises(wagma_comm.CollectiveTimeoutError):
+            w.close()
+    c.close(cancel=True)
+
+
+def test_majority_waits_for_its_activator_with_a_deadline() -> None:
+    """Ranks that arrive before the round's activator wait for it; if it never
+    comes the error names it."""
+    if SIZE == 1:
+        pytest.skip("needs an absent activator")
+    c = wagma_comm.init(timeout=30)
+    m = c.majority_allreduce(np.zeros(2), sync_every=10, seed=3, timeout=1.0)
+    absent = m.activator(0)
+    if RANK != absent:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            m.step(np.ones(2))
+        assert info.value.ranks == (absent,) and info.value.round == 0
+        with pytest.warns(RuntimeWarning, match="steps \\[0\\]"):
+            m.close()  # its input never reached a round: said, not silent
+    WORLD.Barrier()
+    if RANK == absent:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError):
+            m.close()
+    c.close(cancel=True)

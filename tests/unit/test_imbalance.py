@@ -1,0 +1,305 @@
+"""Imbalance injectors: agreement without communication, the reference's
+statistics, the CLI form, and the expected-time formulas (exact vs simulated)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from wagma_comm import imbalance
+from wagma_comm.errors import InvalidArgumentError
+from wagma_comm.imbalance import (
+    Injector,
+    NoImbalance,
+    ReferenceImbalance,
+    SkewedCompute,
+    exact_reference_period_max,
+    expected_period_time,
+    expected_step_time_blocking,
+    iterations_per_second_blocking,
+    iterations_per_second_wait_avoiding,
+    make_injector,
+    reference_period_max_cdf,
+)
+
+# ------------------------------------------------------------------ reference
+
+
+def test_same_seed_agrees_without_communication() -> None:
+    """Two ranks build their own injector; they agree on every step, in any
+    order of asking, and every accessor tells the same story."""
+    a = ReferenceImbalance(8, 0.32, seed=5)
+    b = ReferenceImbalance(8, 0.32, seed=5)
+    forward = [a.slow_ranks(s) for s in range(200)]
+    backward = [b.slow_ranks(s) for s in reversed(range(200))][::-1]
+    assert forward == backward
+    for s in (0, 7, 199):
+        d = a.delays(s)
+        assert d.shape == (8,)
+        assert set(np.flatnonzero(d)) == set(forward[s])
+        for r in range(8):
+            expect = 0.32 if r in forward[s] else 0.0
+            assert a.delay(r, s) == expect == b.delay(r, s) == d[r]
+
+
+def test_different_seeds_differ() -> None:
+    a = [ReferenceImbalance(16, 1.0, seed=0).slow_ranks(s) for s in range(50)]
+    b = [ReferenceImbalance(16, 1.0, seed=1).slow_ranks(s) for s in range(50)]
+    assert a != b
+    assert sum(x != y for x, y in zip(a, b)) > 25  # not one stray step
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_at_most_count_slow_ranks(count: int) -> None:
+    inj = ReferenceImbalance(6, 0.5, count=count, seed=3)
+    sizes = set()
+    for s in range(300):
+        slow = inj.slow_ranks(s)
+        assert list(slow) == sorted(set(slow))
+        assert 1 <= len(slow) <= count
+        assert all(0 <= r < 6 for r in slow)
+        sizes.add(len(slow))
+    assert max(sizes) == count  # draws do not always coincide
+
+
+def test_slow_frequency_matches_reference() -> None:
+    """A rank is slow with probability 1-(1-1/P)^count (draws with replacement),
+    and the two draws coincide with probability 1/P."""
+    size, count, steps = 8, 2, 20000
+    inj = ReferenceImbalance(size, 1.0, count=count, seed=11)
+    d = inj._delays_block(0, steps)
+    np.testing.assert_array_equal(d[123], inj.delays(123))
+    freq = (d > 0).mean(axis=0)
+    expect = 1 - (1 - 1 / size) ** count
+    np.testing.assert_allclose(freq, expect, atol=0.015)
+    one_slow = ((d > 0).sum(axis=1) == 1).mean()
+    assert one_slow == pytest.approx(1 / size, abs=0.01)
+
+
+# -------------------------------------------------------------------- skewed
+
+
+def test_skewed_mean_and_skew() -> None:
+    inj = SkewedCompute(8, 0.05, sigma=1.0, seed=2)
+    x = inj._delays_block(0, 4000).ravel()
+    assert x.mean() == pytest.approx(0.05, rel=0.03)
+    assert (x > 0).all()
+    z = (x - x.mean()) / x.std()
+    assert (z**3).mean() > 1.0  # right-skewed (lognormal, sigma=1: ~6.2)
+    assert np.median(x) < 0.8 * x.mean()  # long tail pulls the mean up
+
+
+def test_skewed_is_per_step_draw_indexed_by_rank() -> None:
+    inj = SkewedCompute(5, 0.2, sigma=0.5, seed=9)
+    mu = math.log(0.2) - 0.5**2 / 2
+    want = np.random.default_rng([9, 17]).lognormal(mu, 0.5, 5)
+    np.testing.assert_array_equal(inj.delays(17), want)
+    assert [inj.delay(r, 17) for r in reversed(range(5))] == list(want[::-1])
+    assert not np.array_equal(inj.delays(17), inj.delays(18))
+    assert not np.array_equal(inj.delays(17), SkewedCompute(5, 0.2, 0.5, seed=10).delays(17))
+
+
+def test_skewed_degenerate_cases() -> None:
+    np.testing.assert_allclose(SkewedCompute(4, 0.3, sigma=0.0).delays(5), 0.3, rtol=1e-12)
+    np.testing.assert_array_equal(SkewedCompute(4, 0.0).delays(5), 0.0)
+
+
+def test_no_imbalance() -> None:
+    inj = NoImbalance(3)
+    assert inj.delay(2, 10) == 0.0
+    np.testing.assert_array_equal(inj.delays(4), np.zeros(3))
+    assert expected_period_time(inj, 0.1, 4, periods=10) == pytest.approx(0.4)
+
+
+def test_sleep_only_when_delayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[float] = []
+    monkeypatch.setattr(imbalance.time, "sleep", calls.append)
+    inj = ReferenceImbalance(8, 0.32, seed=1)
+    slow = inj.slow_ranks(4)
+    fast = next(r for r in range(8) if r not in slow)
+    assert inj.sleep(fast, 4) == 0.0 and calls == []
+    assert inj.sleep(slow[0], 4) == 0.32 and calls == [0.32]
+
+
+# ------------------------------------------------------------------ CLI form
+
+
+@pytest.mark.parametrize(
+    "spec,cls,attrs",
+    [
+        ("none", NoImbalance, {}),
+        ("reference:0.32", ReferenceImbalance, {"delay_s": 0.32, "count": 2}),
+        ("reference:0.5:3", ReferenceImbalance, {"delay_s": 0.5, "count": 3}),
+        (" Reference : 1e-3 : 1 ", ReferenceImbalance, {"delay_s": 1e-3, "count": 1}),
+        ("skewed:0.05", SkewedCompute, {"mean_s": 0.05, "sigma": 1.0}),
+        ("skewed:0.05:0.25", SkewedCompute, {"mean_s": 0.05, "sigma": 0.25}),
+    ],
+)
+def test_make_injector(spec: str, cls: type, attrs: dict) -> None:
+    inj = make_injector(spec, 8, seed=4)
+    assert type(inj) is cls and inj.size == 8
+    for k, v in attrs.items():
+        assert getattr(inj, k) == v
+    if hasattr(inj, "seed"):
+        assert inj.seed == 4
+    again = make_injector(inj.spec, 8, seed=4)  # spec round-trips
+    assert type(again) is cls
+    np.testing.assert_array_equal(again.delays(3), inj.delays(3))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["", "fast", "reference", "reference:", "reference:abc", "reference:0.1:2.5",
+     "reference:-1", "reference:inf", "reference:nan", "reference:0.1:0",
+     "reference:1:2:3", "skewed", "skewed:-0.1", "skewed:0.1:-1", "skewed:x:1",
+     "none:1", 3],
+)
+def test_make_injector_rejects(spec: object) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        make_injector(spec, 8)  # type: ignore[arg-type]
+    assert info.value.argument == "imbalance"
+
+
+def test_make_injector_bad_size_and_seed() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        make_injector("none", 0)
+    assert info.value.argument == "size"
+    with pytest.raises(InvalidArgumentError) as info:
+        make_injector("reference:1", 4, seed=-1)
+    assert info.value.argument == "seed"
+
+
+# ----------------------------------------------------------- expected times
+
+
+def _brute_force_period_max(size: int, count: int, steps: int) -> Fraction:
+    """E[max_r N_r] by enumerating every outcome of every draw of the period."""
+    total = 0
+    for draws in itertools.product(range(size), repeat=count * steps):
+        n = [0] * size
+        for t in range(steps):
+            for r in set(draws[t * count:(t + 1) * count]):
+                n[r] += 1
+        total += max(n)
+    return Fraction(total, size ** (count * steps))
+
+
+@pytest.mark.parametrize("size,count,steps", [(1, 2, 3), (3, 2, 3), (4, 2, 3), (2, 3, 4),
+                                              (3, 1, 5), (5, 3, 2)])
+def test_exact_matches_enumeration(size: int, count: int, steps: int) -> None:
+    want = float(_brute_force_period_max(size, count, steps))
+    assert exact_reference_period_max(size, count, steps, 1.0) == pytest.approx(want, rel=1e-12)
+    assert exact_reference_period_max(size, count, steps, 0.25) == pytest.approx(
+        0.25 * want, rel=1e-12)
+
+
+def test_exact_cdf_is_a_distribution() -> None:
+    cdf = reference_period_max_cdf(8, 2, 10)
+    assert cdf.shape == (11,)
+    assert (np.diff(cdf) >= -1e-15).all() and cdf[-1] == pytest.approx(1.0)
+    assert cdf[1] == 0.0  # 10 steps with >= 1 slow rank over 8 ranks: someone has 2
+
+
+def test_exact_agrees_with_simulation() -> None:
+    exact = exact_reference_period_max(8, 2, 10, 1.0)
+    sim = expected_period_time(ReferenceImbalance(8, 1.0, 2, seed=0), 0.0, 10, periods=2000)
+    assert sim == pytest.approx(exact, rel=0.03)
+    # A different formula (e.g. summing instead of max) would be far off.
+    assert not exact == pytest.approx(10 * (1 - (7 / 8) ** 2), rel=0.3)
+
+
+def test_period_time_bounds() -> None:
+    """Per period the most-delayed rank has at least ceil(T/P) and at most T
+    delays (someone is slow every step), so T*c + that, and it beats blocking."""
+    size, delay, compute, t = 4, 0.3, 0.01, 10
+    inj = ReferenceImbalance(size, delay, seed=7)
+    d = inj._delays_block(0, 100 * t).reshape(100, t, size).sum(axis=1).max(axis=1)
+    assert (d >= math.ceil(t / size) * delay - 1e-12).all() and (d <= t * delay + 1e-12).all()
+    got = expected_period_time(inj, compute, t, periods=100)
+    assert got == pytest.approx(t * compute + d.mean(), rel=1e-12)
+    assert t * compute + math.ceil(t / size) * delay <= got < t * (compute + delay)
+    # periods start at first_step + k*sync_every
+    one = expected_period_time(inj, compute, t, periods=1, first_step=3)
+    manual = inj._delays_block(3, t).sum(axis=0).max()
+    assert one == pytest.approx(t * compute + manual, rel=1e-12)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_blocking_pays_one_delay_every_step(count: int) -> None:
+    inj = ReferenceImbalance(8, 0.32, count=count, seed=count)
+    assert expected_step_time_blocking(inj, 0.1, steps=2000) == pytest.approx(0.42, rel=1e-12)
+    assert iterations_per_second_blocking(inj, 0.1, steps=2000) == pytest.approx(1 / 0.42)
+
+
+def test_rates() -> None:
+    inj = ReferenceImbalance(8, 0.32, seed=0)
+    wa = iterations_per_second_wait_avoiding(inj, 0.1, 10, periods=300)
+    assert wa == pytest.approx(10 / expected_period_time(inj, 0.1, 10, periods=300))
+    assert wa > iterations_per_second_blocking(inj, 0.1, steps=300)
+    assert iterations_per_second_blocking(NoImbalance(2), 0.0, steps=5) == math.inf
+    sk = SkewedCompute(8, 0.05, seed=1)
+    # Blocking waits for the max of 8 lognormals each step: well above the mean.
+    assert expected_step_time_blocking(sk, 0.0, steps=2000) > 2 * 0.05
+
+
+def test_exact_refuses_intractable() -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        reference_period_max_cdf(64, 4, 50)
+    assert info.value.argument == "sync_every"
+
+
+def test_injector_is_abstract() -> None:
+    with pytest.raises(TypeError):
+        Injector(4)  # type: ignore[abstract]
+
+
+# ------------------------------------------------------------- bad arguments
+
+_REF = ReferenceImbalance(4, 0.1)
+
+
+@pytest.mark.parametrize(
+    "call,argument",
+    [
+        (lambda: ReferenceImbalance(0, 0.1), "size"),
+        (lambda: ReferenceImbalance(2.0, 0.1), "size"),  # type: ignore[arg-type]
+        (lambda: ReferenceImbalance(True, 0.1), "size"),  # type: ignore[arg-type]
+        (lambda: ReferenceImbalance(4, -1), "delay_s"),
+        (lambda: ReferenceImbalance(4, math.inf), "delay_s"),
+        (lambda: ReferenceImbalance(4, "1"), "delay_s"),  # type: ignore[arg-type]
+        (lambda: ReferenceImbalance(4, 0.1, count=0), "count"),
+        (lambda: ReferenceImbalance(4, 0.1, seed=-2), "seed"),
+        (lambda: SkewedCompute(4, -0.1), "mean_s"),
+        (lambda: SkewedCompute(4, math.nan), "mean_s"),
+        (lambda: SkewedCompute(4, 0.1, sigma=-1), "sigma"),
+        (lambda: NoImbalance(-1), "size"),
+        (lambda: _REF.delay(4, 0), "rank"),
+        (lambda: _REF.delay(-1, 0), "rank"),
+        (lambda: _REF.delay(0, -1), "step"),
+        (lambda: _REF.delays(-1), "step"),
+        (lambda: _REF.delays(1.5), "step"),  # type: ignore[arg-type]
+        (lambda: _REF.slow_ranks(-1), "step"),
+        (lambda: _REF.sleep(9, 0), "rank"),
+        (lambda: expected_period_time(_REF, -0.1, 10), "compute_s"),
+        (lambda: expected_period_time(_REF, 0.1, 0), "sync_every"),
+        (lambda: expected_period_time(_REF, 0.1, 2, periods=0), "periods"),
+        (lambda: expected_period_time(_REF, 0.1, 2, first_step=-1), "first_step"),
+        (lambda: expected_period_time("reference:1", 0.1, 2), "injector"),  # type: ignore
+        (lambda: expected_step_time_blocking(_REF, -1.0), "compute_s"),
+        (lambda: expected_step_time_blocking(_REF, 0.1, steps=0), "steps"),
+        (lambda: iterations_per_second_wait_avoiding(_REF, 0.1, 0), "sync_every"),
+        (lambda: iterations_per_second_blocking(_REF, math.inf), "compute_s"),
+        (lambda: exact_reference_period_max(0, 2, 10, 1.0), "size"),
+        (lambda: exact_reference_period_max(8, 0, 10, 1.0), "count"),
+        (lambda: exact_reference_period_max(8, 2, 0, 1.0), "sync_every"),
+        (lambda: exact_reference_period_max(8, 2, 10, -1.0), "delay_s"),
+    ],
+)
+def test_bad_arguments(call, argument: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        call()
+    assert info.value.argument == argument

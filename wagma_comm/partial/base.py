@@ -1,0 +1,650 @@
+"""The machinery every persistent partial collective shares.
+
+A partial collective is created once (a collective call) and stepped once per
+training iteration; step ``t`` belongs to round ``t``. Rounds run on the
+progress thread, one at a time and in order, each as a small engine Work:
+
+* a *group round* starts here as soon as it is activated -- by this rank's own
+  arrival or by a token from another rank's progress thread -- and contributes
+  whatever this rank last gave (``_snapshot``), even while its application
+  thread is still computing. Nobody waits for a slow application thread;
+* a *synchronous round* (every ``sync_every``-th) starts only when this rank's
+  application arrives; an all-to-all arrival check comes first, so a rank that
+  stopped stepping is named by the timeout;
+* ``flush()`` and ``close()`` are synchronous rounds outside the iteration count.
+
+Each round's buffer carries one flag element per member after the data: a
+member sets its own flag to 1 when its contribution was current, so after the
+sum every member knows which contributions were fresh, at no extra message.
+
+Message identity is explicit: each partial collective gets its own channels
+(MPI communicators), data tags are the round number, and tokens carry
+(collective id, round, root, sender) in their payload.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+from ..buffers import as_buffer
+from ..dtypes import INT64
+from ..errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    MismatchError,
+    WagmaError,
+)
+from ..kernels import host as host_kernels
+from ..runtime import activation
+from ..runtime.engine import Stage, Work
+from ..runtime.handle import Handle
+from ..schedule import algorithms
+from ..schedule.ir import DATA
+from .info import RoundInfo, Telemetry
+
+_TOKEN_WORDS = 4  # collective id, round, root, sender
+
+
+def check_sync_every(sync_every: Any) -> int:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+        raise InvalidArgumentError("sync_every", f"expected an int, got {sync_every!r}")
+    if sync_every < 1:
+        raise InvalidArgumentError("sync_every", f"must be >= 1, got {sync_every}")
+    return sync_every
+
+
+class _Call:
+    """One application call (step, flush or close) waiting for its round."""
+
+    __slots__ = ("iteration", "data", "owner", "handle", "started", "deadline",
+                 "staleness", "kind")
+
+    def __init__(self, kind: str, iteration: int, data: np.ndarray | None, owner: Any,
+                 handle: Handle, deadline: float, staleness: int) -> None:
+        self.kind, self.iteration, self.data, self.owner = kind, iteration, data, owner
+        self.handle, self.deadline, self.staleness = handle, deadline, staleness
+        self.started = time.monotonic()
+
+
+class Result:
+    """A completed round: its summed buffer (data then member flags) and who
+    was in it. ``readers`` pins the buffer while an application thread uses it."""
+
+    __slots__ = ("array", "round", "step", "group", "fresh", "activator",
+                 "synchronized", "readers", "retired")
+
+    def __init__(self, array: np.ndarray, round: int, step: int | None,
+                 group: tuple[int, ...], fresh: tuple[int, ...], activator: int | None,
+                 synchronized: bool) -> None:
+        self.array, self.round, self.step, self.group = array, round, step, group
+        self.fresh, self.activator, self.synchronized = fresh, activator, synchronized
+        self.readers, self.retired = 0, False
+
+
+class PartialCollective:
+    """Base of the wait-avoiding group allreduce and the solo/majority
+    allreduces. Subclasses define what a rank contributes and what a caller
+    gets back (the ``_`` hooks at the end)."""
+
+    kind = "partial_collective"
+
+    def __init__(self, comm: Any, buf: Any, sync_every: int, timeout: float | None,
+                 algorithm: str | None) -> None:
+        check_sync_every(sync_every)
+        buffer = as_buffer(buf, "buf")
+        self._comm = comm
+        self._engine = comm._engine
+        self._transport = comm._transport
+        self.rank, self.size = comm.rank, comm.size
+        self.sync_every = sync_every
+        self.timeout = comm._call_timeout(timeout)
+        self.count, self.dtype = buffer.count, buffer.dtype
+        self._template = buffer  # shape/dtype every step must match; kept alive
+        if algorithm is not None and (algorithm == "native" or algorithm
+                                      not in algorithms.ALLREDUCE_ALGORITHMS):
+            usable = [a for a in algorithms.ALLREDUCE_ALGORITHMS if a != "native"]
+            raise InvalidArgumentError(
+                "algorithm", f"expected one of {usable} (rounds must give bitwise-"
+                f"identical results on every member), got {algorithm!r}")
+        self._algorithm = algorithm
+        self._one = self._one_bits()
+        self._lock = threading.Lock()
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._free: list[np.ndarray] = []
+        self.telemetry = Telemetry(self.size)
+        # shared (under _lock)
+        self._app_round = 0
+        self._started = -1
+        self._completed = -1
+        self._pending: dict[int, _Call] = {}
+        self._error: WagmaError | None = None
+        self._closed = False
+        # progress thread only
+        self._activated = -1
+        self._running = False
+        self._sync_arrived: set[int] = set()
+        self._final: _Call | None = None  # a flush or close waiting for its turn
+        self._final_count = 0
+        self._thresholds: dict[int, int] = {}
+        self._roots: dict[int, int] = {}
+        self._last_sync = -1
+        self._token_in = np.zeros(_TOKEN_WORDS, dtype=np.int64)
+        self._sending: list[tuple[Any, np.ndarray]] = []
+        self._id = comm._register_partial()
+        prefix = f"p{self._id}."
+        self._ch_data, self._ch_ctl = prefix + "data", prefix + "ctl"
+        self._ch_fdata, self._ch_fctl = prefix + "fdata", prefix + "fctl"
+        self._ch_act = prefix + "act"
+        self._channels = (self._ch_data, self._ch_ctl, self._ch_fdata, self._ch_fctl,
+                          self._ch_act)
+
+    # -- set-up (collective) -------------------------------------------------------
+    def _open(self) -> None:
+        """Create the channels on every rank, then start listening for tokens."""
+        self._comm._open_channels(self.kind, self._channels, self.timeout)
+        self._engine.add_service(self)
+        self._inbox.append(("listen", None))
+        self._engine.wake()
+
+    # -- application side ---------------------------------------------------------
+    def step(self, buf: Any, *, async_op: bool = False) -> Any:
+        """Contribute ``buf`` to this iteration's round and replace it in place by
+        the round's result. Returns a RoundInfo (or a Handle whose ``wait()``
+        returns it)."""
+        data, owner = self._check_buf(buf)
+        self._check_usable()
+        with self._lock:
+            t = self._app_round
+            self._app_round += 1
+            self._contribute(data, t)
+            staleness = max(0, self._started - t + 1)
+            call = self._new_call("step", t, data, owner, staleness)
+            late = None
+            if t > self._completed:
+                self._pending[t] = call
+            else:
+                late = self._late_result(t)
+        if late is not None:  # the round ran without us: answer at once
+            try:
+                self._deliver(call, late)
+            finally:
+                with self._lock:
+                    self._release(late)
+        elif t > self._started_snapshot():
+            self._inbox.append(("arrive", t))
+            self._engine.wake()
+        return call.handle if async_op else call.handle.wait()
+
+    def flush(self, buf: Any = None) -> RoundInfo | None:
+        """Collective: finish every round up to this rank's last step, then run
+        one synchronous round over all ranks (see the subclass for what it
+        carries). Every rank must have taken the same number of steps."""
+        if buf is not None:
+            data, owner = self._check_buf(buf)
+        elif self._flush_needs_data():  # the result must land somewhere
+            data, owner = self._template.host_array(), self._template.owner
+        else:
+            data, owner = None, None
+        self._check_usable()
+        call = self._final_call("flush", data, owner)
+        return call.handle.wait()
+
+    def close(self) -> None:
+        """Collective: wait for every rank to finish stepping, then release the
+        channels. Idempotent; a broken collective is released locally."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._error is None and self._engine.alive():
+                call = self._final_call("close", None, None)
+                call.handle.wait()
+        finally:
+            self._engine.remove_service(self)
+            leftover = self._leftover()
+            if leftover:
+                warnings.warn(f"{self.kind} closed with {leftover}; call flush() on "
+                              "every rank before close() so it lands", RuntimeWarning,
+                              stacklevel=2)
+
+    def statistics(self) -> dict[str, Any]:
+        """Participation, fresh vs stale contributions, staleness histogram,
+        waiting time (see docs/partial.md)."""
+        with self._lock:
+            stats = self.telemetry.as_dict()
+            stats.update(kind=self.kind, rank=self.rank, size=self.size,
+                         sync_every=self.sync_every, iteration=self._app_round,
+                         completed_round=self._completed,
+                         broken=None if self._error is None else str(self._error))
+        stats.update(self._extra_statistics())
+        return stats
+
+    def __enter__(self) -> "PartialCollective":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            with self._lock:
+                self._closed = True
+            self._engine.remove_service(self)
+
+    # -- application-side helpers ----------------------------------------------------
+    def _check_buf(self, buf: Any) -> tuple[np.ndarray, Any]:
+        buffer = as_buffer(buf, "buf")
+        if buffer.count != self.count or buffer.dtype is not self.dtype:
+            raise InvalidArgumentError(
+                "buf", f"{self.kind} was created for {self.count} x {self.dtype.name}, "
+                f"got {buffer.count} x {buffer.dtype.name}")
+        return buffer.host_array(), buffer.owner
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"{self.kind} is closed")
+        if self._error is not None:
+            raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
+
+    def _new_call(self, kind: str, t: int, data: np.ndarray | None, owner: Any,
+                  staleness: int) -> _Call:
+        deadline = time.monotonic() + self.timeout
+        handle = Handle(self.kind, t, deadline, self._engine.alive)
+        return _Call(kind, t, data, owner, handle, deadline, staleness)
+
+    def _final_call(self, kind: str, data: np.ndarray | None, owner: Any) -> _Call:
+        with self._lock:
+            call = self._new_call(kind, self._app_round, data, owner, 0)
+        self._inbox.append(("final", call))
+        self._engine.wake()
+        return call
+
+    def _started_snapshot(self) -> int:
+        with self._lock:
+            return self._started
+
+    def _info(self, call: _Call, res: Result) -> RoundInfo:
+        return RoundInfo(round=res.round, step=res.step, group=res.group,
+                         activator=res.activator, fresh=res.fresh,
+                         staleness=call.staleness, synchronized=res.synchronized,
+                         iteration=call.iteration)
+
+    def _deliver(self, call: _Call, res: Result) -> None:
+        """Write the round's result into the caller's buffer, complete its handle."""
+        try:
+            if call.data is not None:
+                self._finalize(call, res)
+        except WagmaError as exc:
+            call.handle._complete(None, exc)
+            return
+        waited = time.monotonic() - call.started
+        with self._lock:
+            self.telemetry.record_call(call.staleness, waited, res.synchronized)
+        call.handle._complete(self._info(call, res))
+
+    # -- progress thread -------------------------------------------------------------
+    def progress(self) -> bool:
+        did = False
+        while self._inbox:
+            what, arg = self._inbox.popleft()
+            did = True
+            if what == "listen":
+                self._listen()
+            elif what == "arrive":
+                self._arrive(arg)
+            elif what == "final":
+                self._final = arg
+        if self._error is None:
+            did |= self._start_due()
+            did |= self._check_pending_deadlines()
+        return did
+
+    def fail(self, error: WagmaError) -> None:
+        self._engine.cancel_posted(self._on_token)
+        with self._lock:
+            self._error = self._error or error
+            calls = list(self._pending.values())
+            self._pending.clear()
+        if self._final is not None:
+            calls.append(self._final)
+            self._final = None
+        for call in calls:
+            if not call.handle.done:
+                call.handle._complete(None, error)
+
+    def _break(self, error: WagmaError) -> None:
+        """A round failed: this collective cannot go on (messages of the failed
+        round may still be in flight)."""
+        self._engine.remove_service(self)
+        self.fail(error)
+
+    def _arrive(self, t: int) -> None:
+        if activation.is_sync_round(t, self.sync_every):
+            self._sync_arrived.add(t)
+        elif self._activates(t):
+            self.telemetry.activated_here += t > self._activated
+            self._activate(t, None, self.rank)
+
+    def _start_due(self) -> bool:
+        if self._running:
+            return False
+        r = self._started + 1
+        final = self._final
+        if final is not None and r >= final.iteration:
+            self._final = None
+            self._start_final(final)
+            return True
+        if activation.is_sync_round(r, self.sync_every):
+            if r not in self._sync_arrived:
+                return False
+            self._sync_arrived.discard(r)
+            self._start_round(r, tuple(range(self.size)), None, None, synchronized=True)
+            return True
+        if r <= self._activated:
+            step = activation.group_step(r, self.sync_every)
+            root = self._round_activator(r, self._roots.pop(r, self.rank))
+            self._start_round(r, self._members(r), step, root, synchronized=False)
+            return True
+        return False
+
+    def _check_pending_deadlines(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            late = [c for t, c in self._pending.items()
+                    if t > self._started and now > c.deadline]
+        for call in late:
+            waiting = self._waiting_for(call.iteration)
+            self._break(CollectiveTimeoutError(
+                self.kind, call.iteration, waiting,
+                f"round {call.iteration} was not activated within {self.timeout:g} s"))
+            return True
+        return False
+
+    # -- rounds ------------------------------------------------------------------------
+    def _take(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(self.count + self.size, dtype=self.dtype.storage)
+
+    def _release(self, res: Result) -> None:
+        """(under _lock) Drop a reader; recycle a retired buffer nobody reads."""
+        res.readers = max(0, res.readers - 1)
+        if res.retired and res.readers == 0:
+            self._free.append(res.array)
+
+    def _retire(self, res: Result | None) -> None:
+        """(under _lock) A result no one will ask for any more."""
+        if res is not None:
+            res.retired = True
+            if res.readers == 0:
+                self._free.append(res.array)
+
+    def _start_round(self, r: int, members: tuple[int, ...], step: int | None,
+                     root: int | None, synchronized: bool) -> None:
+        buf = self._take()
+        with self._lock:
+            fresh = self._snapshot(buf[:self.count], r)
+            self._started = r
+            pending = self._pending.get(r)
+            if pending is not None:
+                pending.handle._deadline = time.monotonic() + self.timeout
+        self._count_contribution(fresh)
+        self._set_flags(buf, members, fresh)
+        stages = []
+        if synchronized:
+            stages.append(self._arrival_stage(self._ch_ctl, r, r, None))
+        stages.append(self._data_stage(self._ch_data, buf, members, "round data exchange"))
+        self._launch(r, stages, lambda res, err: self._round_done(
+            r, buf, members, step, root, synchronized, err))
+
+    def _start_final(self, call: _Call) -> None:
+        """A flush or close: synchronous, outside the iteration count."""
+        k = self._final_count
+        self._final_count += 1
+        everyone = tuple(range(self.size))
+        if call.kind == "close" or (call.data is None and not self._flush_needs_data()):
+            stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, call.kind)]
+            self._launch(k, stages, lambda res, err: self._final_done(call, None, err),
+                         space="final")
+            return
+        buf = self._take()
+        with self._lock:
+            self._flush_snapshot(buf[:self.count], call)
+        self._set_flags(buf, everyone, True)
+        stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, call.kind),
+                  self._data_stage(self._ch_fdata, buf, everyone, "flush data exchange")]
+
+        def done(res: Any, err: BaseException | None) -> None:
+            result = None if err else Result(buf, call.iteration, None, everyone, everyone,
+                                             None, True)
+            self._final_done(call, result, err)
+        self._launch(k, stages, done, space="final")
+
+    def _launch(self, seq: int, stages: list[Stage],
+                on_complete: Callable[[Any, BaseException | None], None],
+                space: str = "round") -> None:
+        now = time.monotonic()
+        handle = Handle(self.kind, seq, now + self.timeout, self._engine.alive)
+        self._running = True
+        self._engine.start(Work(seq, self.kind, handle, stages, now + self.timeout,
+                                self.timeout, space=(self, space), on_complete=on_complete))
+
+    def _data_stage(self, channel: str, buf: np.ndarray, members: tuple[int, ...],
+                    label: str) -> Stage:
+        """The round's allreduce (sum) of data plus one flag per member. Never
+        native: the schedules are proven bitwise-identical on every member, which
+        the synchronous rounds promise."""
+        n = self.count + len(members)
+        name = self._algorithm or algorithms.choose_allreduce(
+            n * self.dtype.itemsize, len(members))
+        sched = algorithms.compile_allreduce(self.rank, members, n, "sum", name)
+        return Stage(sched, channel, {DATA: buf[:n]}, self.dtype, label=label)
+
+    def _arrival_stage(self, channel: str, seq: int, value: int, final: str | None) -> Stage:
+        """All-to-all of one int64 per rank before a synchronous round: who is
+        missing is then exactly who this rank is still waiting for."""
+        everyone = tuple(range(self.size))
+        sched = algorithms.compile_exchange(self.rank, everyone, 1)
+        mine = np.array([value], dtype=np.int64)
+        peers = np.zeros(self.size, dtype=np.int64)
+
+        def compare() -> None:
+            if final is None:
+                return
+            peers[self.rank] = value
+            differ = {r: f"{final}() after {int(v)} steps" for r, v in enumerate(peers)
+                      if v != value}
+            if differ:
+                raise MismatchError(self.kind, value, differ, f"{final}() after {value} steps")
+        return Stage(sched, channel, {DATA: mine, algorithms.EXCHANGE_SCRATCH: peers}, INT64,
+                     on_done=compare,
+                     label="arrival check (ranks that did not call step/flush/close)")
+
+    def _round_done(self, r: int, buf: np.ndarray, members: tuple[int, ...],
+                    step: int | None, root: int | None, synchronized: bool,
+                    err: BaseException | None) -> None:
+        self._running = False
+        if err is not None:
+            self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
+            return
+        n = len(members)
+        flags = buf[self.count:self.count + n]
+        fresh = tuple(m for k, m in enumerate(members) if flags[k] != 0)
+        res = Result(buf, r, step, members, fresh, root, synchronized)
+        if synchronized:
+            self._last_sync = r
+            self._thresholds = {q: v for q, v in self._thresholds.items() if q > r}
+        with self._lock:
+            self.telemetry.record_round(members, fresh, synchronized)
+            self._completed = r
+            call = self._pending.pop(r, None)
+            self._store(res, wanted=call is not None)
+            if call is not None:
+                res.readers += 1
+        if call is not None:
+            try:
+                self._deliver(call, res)
+            finally:
+                with self._lock:
+                    self._release(res)
+
+    def _final_done(self, call: _Call, res: Result | None, err: BaseException | None) -> None:
+        self._running = False
+        if err is not None:
+            error = err if isinstance(err, WagmaError) else WagmaError(str(err))
+            if call.kind == "close":
+                self._teardown()
+                call.handle._complete(None, error)
+            else:
+                self._break(error)
+                call.handle._complete(None, error)
+            return
+        if call.kind == "close":
+            self._teardown()
+            call.handle._complete(None)
+            return
+        with self._lock:
+            self.telemetry.flushes += 1
+        if res is None:
+            call.handle._complete(None)
+            return
+        with self._lock:
+            self.telemetry.record_round(res.group, res.fresh, True)
+        try:
+            self._deliver(call, res)
+        finally:
+            with self._lock:
+                res.retired = True
+                self._release(res)
+
+    def _teardown(self) -> None:
+        """Progress thread: stop listening and free the channels."""
+        self._engine.remove_service(self)
+        self._engine.cancel_posted(self._on_token)
+        self._transport.close_channels(self._channels)
+
+    # -- activation tokens ------------------------------------------------------------
+    def _members(self, r: int) -> tuple[int, ...]:
+        """Who takes part in (non-sync) round ``r`` with this rank."""
+        return tuple(range(self.size))
+
+    def _token_scope(self, r: int) -> tuple[int, ...]:
+        """Who the activation of round ``r`` is broadcast to."""
+        return tuple(range(self.size))
+
+    def _listen(self) -> None:
+        if self.size == 1:
+            return
+        request = self._transport.irecv_any(self._token_in, self._ch_act)
+        self._engine.post(request, self._on_token)
+
+    def _on_token(self) -> None:
+        ident, r, root, sender = (int(v) for v in self._token_in)
+        self._listen()
+        if ident != self._id:
+            return
+        self.telemetry.tokens_received += 1
+        if r > self._activated and r > self._started:
+            self.telemetry.activated_elsewhere += 1
+        self._activate(r, sender, root)
+
+    def _activate(self, r: int, sender: int | None, root: int) -> None:
+        """Record that round ``r`` is activated (rounds before it too: rounds run
+        in order here) and pass the token on."""
+        if r <= self._last_sync or activation.is_sync_round(r, self.sync_every):
+            return
+        if r > self._activated:
+            for q in range(self._activated + 1, r):
+                if not activation.is_sync_round(q, self.sync_every):
+                    self._roots.setdefault(q, self.rank)
+                    self._route(q, None)
+            self._activated = r
+        self._roots.setdefault(r, root)
+        self._route(r, sender)
+
+    def _route(self, r: int, sender: int | None) -> None:
+        scope = self._token_scope(r)
+        n = len(scope)
+        if n <= 1:
+            return
+        me = scope.index(self.rank)
+        came = -1 if sender is None else activation.incoming_dimension(
+            me, scope.index(sender), n)
+        threshold = self._thresholds.get(r, activation.no_tokens_sent(n))
+        targets, self._thresholds[r] = activation.forward(me, n, came, threshold)
+        root = self._roots.get(r, self.rank)
+        for k in targets:
+            token = np.array([self._id, r, root, self.rank], dtype=np.int64)
+            request = self._transport.isend(token, scope[k], self._ch_act, 0, 0)
+            self.telemetry.tokens_sent += 1
+            entry = (request, token)
+            self._sending.append(entry)
+            self._engine.post(request, lambda e=entry: self._sending.remove(e))
+
+    # -- helpers ------------------------------------------------------------------
+    def _set_flags(self, buf: np.ndarray, members: tuple[int, ...], fresh: bool) -> None:
+        flags = buf[self.count:self.count + len(members)]
+        flags.fill(0)
+        if fresh:
+            flags[members.index(self.rank)] = self._one
+
+    def _one_bits(self) -> Any:
+        if self.dtype.is_half:
+            return host_kernels.from_float32(np.ones(1, np.float32), self.dtype)[0]
+        return np.ones(1, dtype=self.dtype.storage)[0]
+
+    def _count_contribution(self, fresh: bool) -> None:
+        with self._lock:
+            if fresh:
+                self.telemetry.fresh_contributions += 1
+            else:
+                self.telemetry.stale_contributions += 1
+
+    # -- hooks ----------------------------------------------------------------------
+    def _activates(self, t: int) -> bool:
+        """Whether this rank's arrival at round ``t`` activates it."""
+        return True
+
+    def _waiting_for(self, t: int) -> list[int]:
+        return []
+
+    def _round_activator(self, r: int, first_root: int) -> int:
+        """The activator a round reports: the root of the first activation that
+        reached this rank (ranks arriving together may each name themselves)."""
+        return first_root
+
+    def _flush_needs_data(self) -> bool:
+        return True
+
+    def _contribute(self, data: np.ndarray, t: int) -> None:
+        raise NotImplementedError
+
+    def _snapshot(self, dst: np.ndarray, r: int) -> bool:
+        raise NotImplementedError
+
+    def _flush_snapshot(self, dst: np.ndarray, call: _Call) -> None:
+        raise NotImplementedError
+
+    def _late_result(self, t: int) -> Result:
+        raise NotImplementedError
+
+    def _store(self, res: Result, wanted: bool) -> None:
+        raise NotImplementedError
+
+    def _finalize(self, call: _Call, res: Result) -> None:
+        raise NotImplementedError
+
+    def _leftover(self) -> str:
+        return ""
+
+    def _extra_statistics(self) -> dict[str, Any]:
+        return {}
+

@@ -1,0 +1,114 @@
+"""WAGMA-SGD's wait-avoiding group allreduce of models (ALGORITHMS.md s. 2-3).
+
+Each rank *publishes* the model it passes to ``step`` (a copy the progress
+thread owns). Round ``r`` sums the published models of this round's group
+(shifting groups, ``groups.py``) and the caller combines that sum with its own
+current model:
+
+* ``normalization="wagma"`` (default, the paper's): ``(sum + w) / (S + 1)``, so
+  an on-time rank's own model weighs ``2/(S+1)``;
+* ``"mean"``: ``sum / S``, the plain group mean.
+
+(``S`` is the round's actual group size, which may be below ``group_size`` when
+the groups cannot all be that large.) A late caller -- its round already ran
+with its stale published model -- gets the *most recent completed* round at
+once, the freshest models available, and keeps one result buffer instead of
+one per missed round. Every ``sync_every``-th step is a blocking global mean,
+after which every rank holds a bitwise-identical model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import groups as groups_mod
+from ..errors import InvalidArgumentError
+from ..kernels import host as host_kernels
+from ..runtime.activation import group_step
+from .base import PartialCollective, Result, _Call
+
+ACTIVATION_SCOPES = ("global", "group")
+NORMALIZATIONS = ("wagma", "mean")
+
+
+class WaitAvoidingGroupAllreduce(PartialCollective):
+    """Created by :meth:`Communicator.wait_avoiding_group_allreduce`."""
+
+    kind = "wait_avoiding_group_allreduce"
+
+    def __init__(self, comm: Any, buf: Any, group_size: int, sync_every: int, *,
+                 activation: str = "global", normalization: str = "wagma",
+                 timeout: float | None = None, algorithm: str | None = None) -> None:
+        groups_mod.check_group_size(comm.size, group_size)
+        if activation not in ACTIVATION_SCOPES:
+            raise InvalidArgumentError(
+                "activation", f"expected one of {list(ACTIVATION_SCOPES)}, got {activation!r}")
+        if normalization not in NORMALIZATIONS:
+            raise InvalidArgumentError(
+                "normalization", f"expected one of {list(NORMALIZATIONS)}, "
+                f"got {normalization!r}")
+        super().__init__(comm, buf, sync_every, timeout, algorithm)
+        self.group_size = group_size
+        self.activation = activation
+        self.normalization = normalization
+        # Before anything is published the contribution is the initial model
+        # (the creation buffer, which all ranks share), never uninitialised memory.
+        self._published = np.array(self._template.host_array(), copy=True)
+        self._published_round = -1
+        self._latest: Result | None = None
+
+    # -- who -----------------------------------------------------------------
+    def _members(self, r: int) -> tuple[int, ...]:
+        step = group_step(r, self.sync_every)
+        return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
+
+    def _token_scope(self, r: int) -> tuple[int, ...]:
+        if self.activation == "group":
+            return self._members(r)
+        return tuple(range(self.size))
+
+    # -- what ----------------------------------------------------------------
+    def _contribute(self, data: np.ndarray, t: int) -> None:
+        np.copyto(self._published, data)
+        self._published_round = t
+
+    def _snapshot(self, dst: np.ndarray, r: int) -> bool:
+        np.copyto(dst, self._published)
+        return self._published_round == r
+
+    def _flush_needs_data(self) -> bool:
+        return False  # flush() without a buffer only waits for the rounds
+
+    def _flush_snapshot(self, dst: np.ndarray, call: _Call) -> None:
+        assert call.data is not None
+        np.copyto(dst, call.data)
+
+    def _late_result(self, t: int) -> Result:
+        res = self._latest
+        assert res is not None and res.round >= t
+        res.readers += 1
+        return res
+
+    def _store(self, res: Result, wanted: bool) -> None:
+        self._retire(self._latest)
+        self._latest = res
+
+    def _finalize(self, call: _Call, res: Result) -> None:
+        total = res.array[:self.count]
+        n = len(res.group)
+        out = call.data
+        assert out is not None
+        if res.synchronized or self.normalization == "mean":
+            host_kernels.average_into(out, [total], n, self.dtype)
+        else:
+            host_kernels.average_into(out, [total, out], n + 1, self.dtype)
+        if res.synchronized:
+            with self._lock:  # the synchronized model is what this rank now has
+                if self._published_round <= res.round:
+                    np.copyto(self._published, out)
+
+    def _extra_statistics(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "activation": self.activation,
+                "normalization": self.normalization}
