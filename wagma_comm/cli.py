@@ -1,5 +1,6 @@
 """The ``wagma`` command: ``wagma schedule`` prints compiled schedules,
-``wagma bench`` runs the collective benchmark (under mpiexec)."""
+``wagma bench`` runs the collective benchmark and ``wagma imbalance`` the
+throughput-under-stragglers benchmark (both under mpiexec)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .bench import cli as bench_cli
+    from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
 
     parser = argparse.ArgumentParser(prog="wagma", description=__doc__)
@@ -18,15 +20,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     schedule_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    imbalance_cli.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .bench import cli as bench_cli
+    from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
 
     args = build_parser().parse_args(argv)
-    commands = {"schedule": schedule_cli.run, "bench": bench_cli.run}
+    commands = {"schedule": schedule_cli.run, "bench": bench_cli.run,
+                "imbalance": imbalance_cli.run}
     return int(commands[args.command](args) or 0)
 
 

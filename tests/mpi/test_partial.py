@@ -322,3 +322,27 @@ def test_majority_waits_for_its_activator_with_a_deadline() -> None:
         with pytest.raises(wagma_comm.CollectiveTimeoutError):
             m.close()
     c.close(cancel=True)
+
+
+def test_imbalance_benchmark_runs_every_method(tmp_path_factory: Any) -> None:
+    """The benchmark command end to end, tiny: every method completes and the
+    expectations are computed (its figures are for docs, not for this verdict)."""
+    import argparse
+    import json
+    import os
+
+    from wagma_comm.bench import imbalance
+
+    path = WORLD.bcast(str(tmp_path_factory.mktemp("bench") / "imb.json") if RANK == 0
+                       else None)
+    args = argparse.Namespace(compute=0.001, imbalance=None, sync_every=2, group_size=0,
+                              elements=64, periods=1, rounds=1,
+                              methods=",".join(imbalance.METHODS), seed=0, json=path)
+    assert imbalance.run(args) == 0
+    if RANK == 0:
+        with open(path) as fh:
+            out = json.load(fh)
+        assert set(out["rates"]) == set(imbalance.METHODS)
+        assert all(v > 0 for v in out["rates"].values())
+        assert out["expected_blocking"] > 0 and out["expected_wait_avoiding"] > 0
+        os.remove(path)

@@ -1,0 +1,181 @@
+"""``wagma imbalance``: iterations per second under injected load imbalance.
+
+Every rank runs the same loop for each method: "compute" (sleep ``c``), the
+injector's extra delay for this (rank, step), then the method's collective on a
+model/gradient buffer. Methods run one after another in alternating rounds, each
+over the *same* injector draws (steps 0..N-1), so the machine's noise and the
+imbalance hit all of them alike. Rank 0 prints iterations/s, the ratio to the
+global allreduce, and the analytic expectation:
+
+* a globally synchronous method pays ``c + E[max_r delay(r, t)]`` per step;
+* a wait-avoiding method with period ``tau`` pays, per period,
+  ``tau * c + E[max_r sum of delay(r, t) over the period]``: each rank
+  accumulates only its own delays and only the sync round waits for the
+  most-delayed rank (computed over the very draws used, and exactly for the
+  reference injector).
+
+Run it under mpiexec: ``mpiexec -n 8 wagma imbalance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+METHODS = ("wagma", "wagma_group_scope", "group_allreduce", "allreduce", "solo", "majority")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("imbalance", help="throughput under load imbalance (under mpiexec)",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compute", type=float, default=0.05, help="compute time c per step (s)")
+    p.add_argument("--imbalance", default=None,
+                   help="injector: reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] | none "
+                        "(default: reference with DELAY = compute, COUNT = 2)")
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--group-size", type=int, default=0, help="default: half the ranks")
+    p.add_argument("--elements", type=int, default=1 << 16, help="float32 model elements")
+    p.add_argument("--periods", type=int, default=3, help="sync periods per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per method")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
+
+
+def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
+          injector: Any, steps: int) -> Callable[[], float]:
+    """Build one measurement: returns a function that runs ``steps`` iterations
+    and returns this rank's elapsed seconds."""
+    group_size, tau = args.group_size, args.sync_every
+
+    if method in ("wagma", "wagma_group_scope"):
+        scope = "group" if method == "wagma_group_scope" else "global"
+        coll = comm.wait_avoiding_group_allreduce(model, group_size, tau, activation=scope)
+
+        def collective(t: int) -> None:
+            coll.step(model)
+    elif method in ("solo", "majority"):
+        make = comm.solo_allreduce if method == "solo" else comm.majority_allreduce
+        coll = make(model, tau)
+
+        def collective(t: int) -> None:
+            coll.step(model)
+    elif method == "group_allreduce":
+        coll = None
+
+        def collective(t: int) -> None:  # the same schedule, every step blocking
+            if (t + 1) % tau == 0:
+                comm.allreduce(model, "avg")
+            else:
+                comm.group_allreduce(model, group_size, t - (t + 1) // tau, "avg")
+    elif method == "allreduce":
+        coll = None
+
+        def collective(t: int) -> None:
+            comm.allreduce(model, "avg")
+    else:
+        raise SystemExit(f"unknown method {method!r}; expected some of {', '.join(METHODS)}")
+
+    def run() -> float:
+        comm.barrier()
+        t0 = time.perf_counter()
+        for t in range(steps):
+            time.sleep(args.compute)
+            injector.sleep(comm.rank, t)
+            collective(t)
+        elapsed = time.perf_counter() - t0
+        if coll is not None:
+            coll.flush()
+        return elapsed
+
+    run.close = (lambda: coll.close()) if coll is not None else (lambda: None)  # type: ignore[attr-defined]
+    run.statistics = (lambda: coll.statistics()) if coll is not None else dict  # type: ignore[attr-defined]
+    return run
+
+
+def comm_allgather(value: Any) -> list[Any]:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.allgather(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    import wagma_comm
+    from wagma_comm import imbalance as imb
+
+    comm = wagma_comm.init()
+    P = comm.size
+    if not args.group_size:
+        args.group_size = max(1, P // 2)
+    spec = args.imbalance or f"reference:{args.compute}:2"
+    injector = imb.make_injector(spec, P, seed=args.seed)
+    steps = args.periods * args.sync_every
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    model = np.zeros(args.elements, dtype=np.float32)
+    loops = {m: _loop(comm, m, model, args, injector, steps) for m in methods}
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    for m in methods:  # warm-up: kernels JIT-compiled, schedules and channels made
+        loops[m]()
+    for r in range(args.rounds):
+        order = methods if r % 2 == 0 else list(reversed(methods))
+        for m in order:
+            samples[m].append(loops[m]())
+    fresh: dict[str, float | None] = {}
+    for m, loop in loops.items():  # share of contributions that were current
+        stats = loop.statistics()  # type: ignore[attr-defined]
+        mine = (stats.get("fresh_contributions", 0), stats.get("stale_contributions", 0))
+        f, s = (sum(v) for v in zip(*comm_allgather(mine)))
+        fresh[m] = f / (f + s) if f + s else None
+        loop.close()  # type: ignore[attr-defined]
+
+    rates: dict[str, float] = {}
+    for m in methods:  # a run lasts until its slowest rank is done
+        per_round = [max(comm_allgather(v)) for v in samples[m]]
+        rates[m] = steps / statistics.median(per_round)
+    blocking = imb.iterations_per_second_blocking(injector, args.compute, steps=steps)
+    waitavoid = imb.iterations_per_second_wait_avoiding(
+        injector, args.compute, args.sync_every, periods=args.periods)
+    exact = None
+    if isinstance(injector, imb.ReferenceImbalance):
+        period = (args.sync_every * args.compute + imb.exact_reference_period_max(
+            P, injector.count, args.sync_every, injector.delay_s))
+        exact = args.sync_every / period
+    expected = {m: (blocking if m == "allreduce" else
+                    waitavoid if m in ("wagma", "wagma_group_scope", "solo") else None)
+                for m in methods}
+    if comm.rank == 0:
+        base = rates.get("allreduce")
+        print(f"# wagma imbalance: {P} ranks, compute {args.compute * 1e3:g} ms, "
+              f"injector {injector.spec}, sync_every {args.sync_every}, group_size "
+              f"{args.group_size}, {args.elements} x float32, {steps} steps x "
+              f"{args.rounds} rounds (median)")
+        print(f"# expected it/s over these draws: wait-avoiding {waitavoid:.2f}"
+              + (f" (exact for this injector: {exact:.2f})" if exact else "")
+              + f", globally synchronous {blocking:.2f}")
+        print(f"{'method':>18} {'it/s':>8} {'vs allreduce':>13} {'expected':>9} "
+              f"{'of expected':>12} {'fresh':>6}")
+        for m in methods:
+            ratio = f"{rates[m] / base:.2f}x" if base else "-"
+            exp = expected[m]
+            print(f"{m:>18} {rates[m]:8.2f} {ratio:>13} "
+                  f"{(f'{exp:.2f}' if exp else '-'):>9} "
+                  f"{(f'{100 * rates[m] / exp:.0f}%' if exp else '-'):>12} "
+                  f"{(f'{100 * fresh[m]:.0f}%' if fresh[m] is not None else '-'):>6}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"ranks": P, "compute_s": args.compute, "injector": injector.spec,
+                           "sync_every": args.sync_every, "group_size": args.group_size,
+                           "elements": args.elements, "steps": steps, "rounds": args.rounds,
+                           "rates": rates, "expected": expected, "fresh_share": fresh,
+                           "expected_wait_avoiding": waitavoid,
+                           "expected_wait_avoiding_exact": exact,
+                           "expected_blocking": blocking,
+                           "samples_s": samples}, fh, indent=1)
+    comm.close()
+    return 0
