@@ -265,7 +265,7 @@ class Engine:
             progressed = False
             try:
                 for service in self._services:
-                    progressed |= service.progress()
+                    progressed |= self._drive(service)
                 progressed |= self._start_waiting()
                 for run in list(self._active):
                     progressed |= self._advance(run)
@@ -284,6 +284,19 @@ class Engine:
                     if not self._incoming and not self._woken:
                         self._cv.wait(sleep_s)
                     self._woken = False
+
+    def _drive(self, service: Service) -> bool:
+        """One turn of a service; a bug in it fails that service, loudly, and
+        never kills the progress thread the other collectives depend on."""
+        try:
+            return service.progress()
+        except TransportError:
+            raise  # the transport itself failed: the main loop breaks everything
+        except Exception as exc:  # noqa: BLE001 -- reported to the service's callers
+            self.remove_service(service)
+            service.fail(WagmaError(f"internal error in {type(service).__name__}: "
+                                    f"{type(exc).__name__}: {exc}"))
+            return True
 
     def _start_waiting(self) -> bool:
         started = False
@@ -397,7 +410,12 @@ class Engine:
         self._owners = [self._owners[k] for k in keep]
         for run, i in completions:
             if run is None:
-                i()  # a service's request
+                try:
+                    i()  # a service's request
+                except Exception as exc:  # noqa: BLE001 -- a service bug: fail, loudly
+                    self._break(TransportError(
+                        f"handler of a service message failed: {type(exc).__name__}: {exc}"))
+                    return True
                 continue
             if run.posted.pop(i, None) is None:
                 continue  # its run already failed
