@@ -303,10 +303,12 @@ class Communicator:
             stages.extend(self._setup_stages(sched))
             stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt))
             now = time.monotonic()
-            handle = Handle(collective, seq, now + timeout, self._engine.alive)
+            handle = Handle(collective, seq, now + timeout, self._engine.alive,
+                            self._engine.drive_until)
             work = Work(seq, collective, handle, stages, now + timeout, timeout,
                         result=owner if result is ... else result, keepalive=buffer)
-            self._engine.submit(work)
+            # A blocking call drives its own work: no need to wake the thread.
+            self._engine.submit(work, wake=async_op)
         return handle if async_op else handle.wait()
 
     def _setup_stages(self, sched: Schedule) -> list[Stage]:

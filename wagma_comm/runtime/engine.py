@@ -40,6 +40,7 @@ from .handle import Handle
 # rank waiting on a straggler does not burn a core the others need.
 _SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
 _MAX_SLEEP_S = 1e-3
+_SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
 
 _POOL_LIMIT_BYTES = 512 << 20
@@ -164,6 +165,11 @@ class Engine:
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
         self._woken = False
+        # One thread at a time drives the engine: the progress thread, or an
+        # application thread waiting on a handle (drive_until). ``_drivers``
+        # counts the latter; the progress thread parks while any are driving.
+        self._driver = threading.Lock()
+        self._drivers = 0
         self._closing = False
         self._cancel_pending = False
         self.broken: WagmaError | None = None
@@ -177,15 +183,18 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, work: Work) -> None:
-        """Queue work (thread-safe). Order of submission is order of start."""
+    def submit(self, work: Work, wake: bool = True) -> None:
+        """Queue work (thread-safe). Order of submission is order of start.
+        ``wake=False``: the caller will drive it (drive_until), so the parked
+        progress thread is left asleep."""
         with self._cv:
             if self._closing:
                 raise CommunicatorClosedError("communicator is closed")
             if self.broken is not None:
                 raise CommunicatorClosedError(f"communicator is broken: {self.broken}")
             self._incoming.append(work)
-            self._cv.notify()
+            if wake:
+                self._cv.notify()
 
     def wake(self) -> None:
         """Make the progress thread look at its services now (thread-safe)."""
@@ -247,33 +256,27 @@ class Engine:
             # Take the lock only when there is something to take or nothing to
             # do; a spin iteration with work in flight and none arriving skips it.
             busy = self._active or self._waiting or self._services
-            if self._incoming or self._closing or not busy:
+            if self._incoming or self._closing or not busy or self._drivers:
                 with self._cv:
-                    while (not self._incoming and not self._active and not self._waiting
-                           and not self._services and not self._closing):
+                    while ((self._drivers or not (self._incoming or self._active
+                                                  or self._waiting or self._services))
+                           and not self._closing):
                         self._cv.wait(_IDLE_WAIT_S)
                         self._stats["idle_wakeups"] += 1
-                    self._waiting.extend(self._incoming)
-                    self._incoming.clear()
                     closing, cancel = self._closing, self._cancel_pending
-                if cancel:
-                    self._fail_all(CommunicatorClosedError("communicator closed while in flight"))
-                if closing and self._services:
-                    self._stop_services(CommunicatorClosedError("communicator closed"))
-                if closing and not self._active and not self._waiting:
-                    return
-            progressed = False
-            try:
-                for service in self._services:
-                    progressed |= self._drive(service)
-                progressed |= self._start_waiting()
-                for run in list(self._active):
-                    progressed |= self._advance(run)
-                progressed |= self._poll()
-            except TransportError as exc:
-                self._break(exc)
-                continue
-            self._check_deadlines()
+                if closing:
+                    with self._driver:
+                        self._take_incoming()
+                        if cancel:
+                            self._fail_all(CommunicatorClosedError(
+                                "communicator closed while in flight"))
+                        if self._services:
+                            self._stop_services(CommunicatorClosedError("communicator closed"))
+                        if not self._active and not self._waiting:
+                            return
+                idle_since = time.monotonic()
+            with self._driver:
+                progressed = self._turn()
             if progressed:
                 idle_since, sleep_s = time.monotonic(), 0.0
             elif time.monotonic() - idle_since < _SPIN_S:
@@ -284,6 +287,74 @@ class Engine:
                     if not self._incoming and not self._woken:
                         self._cv.wait(sleep_s)
                     self._woken = False
+
+    def _take_incoming(self) -> None:
+        if self._incoming:
+            with self._cv:
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+
+    def _turn(self) -> bool:
+        """One pass over everything the engine drives; the caller holds
+        ``_driver``. Returns True if anything happened."""
+        progressed = False
+        try:
+            self._take_incoming()
+            for service in self._services:
+                progressed |= self._drive(service)
+            progressed |= self._start_waiting()
+            for run in list(self._active):
+                progressed |= self._advance(run)
+            progressed |= self._poll()
+        except TransportError as exc:
+            self._break(exc)
+            return True
+        self._check_deadlines()
+        return progressed
+
+    def drive_until(self, handle: Handle, until: float) -> None:
+        """Run the engine on the calling (waiting) thread until ``handle``
+        completes, ``until`` (monotonic) passes, or nothing progressed for a
+        spin period; then the progress thread takes over again.
+
+        Why: a blocking collective handed to the progress thread pays two
+        thread wake-ups and GIL hand-offs, which dominate small messages on a
+        loaded machine. Lending the waiting thread keeps a single issuer (the
+        ``_driver`` lock) and the same submission order, as MPI libraries do
+        when the waiter drives progress.
+        """
+        if threading.current_thread() is self._thread or handle.done:
+            return
+        with self._cv:
+            if self._closing:
+                return
+            self._drivers += 1
+        try:
+            idle_since = time.monotonic()
+            while not handle.done:
+                progressed = False
+                if self._driver.acquire(blocking=False):
+                    try:
+                        progressed = self._turn()
+                    finally:
+                        self._driver.release()
+                now = time.monotonic()
+                if progressed:
+                    idle_since = now
+                elif now - idle_since > _SPIN_S or now > until:
+                    return
+                elif self._driver.acquire(blocking=False):
+                    try:
+                        self._spin_poll()
+                    finally:
+                        self._driver.release()
+                else:
+                    os.sched_yield()
+        finally:
+            with self._cv:
+                self._drivers -= 1
+                if self._active or self._waiting or self._incoming or self._services:
+                    self._cv.notify()  # work remains in flight: the thread resumes
 
     def _drive(self, service: Service) -> bool:
         """One turn of a service; a bug in it fails that service, loudly, and
@@ -401,6 +472,29 @@ class Engine:
         done = self._transport.test_some(self._requests)
         if not done:
             return False
+        self._retire(done)
+        return True
+
+    def _spin_poll(self) -> bool:
+        """Between full turns: only test the outstanding requests, yielding the
+        CPU between tests. A full turn costs tens of microseconds of Python; a
+        test costs one MPI call, and on an oversubscribed machine the CPU a
+        waiting rank does not burn is what its peers need to reach us."""
+        requests, test_some = self._requests, self._transport.test_some
+        if not requests:
+            return False
+        for _ in range(_SPIN_POLLS):
+            os.sched_yield()
+            done = test_some(requests)
+            if done:
+                self._stats["polls"] += 1
+                self._retire(done)
+                return True
+            if self._incoming:
+                return False
+        return False
+
+    def _retire(self, done: list[int]) -> None:
         # Compact first: retiring an op can finish or fail a run, which edits
         # the request lists itself.
         finished = set(done)
@@ -424,7 +518,6 @@ class Engine:
                 self._stats["messages_received"] += 1
                 self._stats["bytes_received"] += op.dst.count * run.stage.dtype.itemsize
             self._op_done(run, i)
-        return True
 
     def _op_done(self, run: _Run, index: int) -> None:
         run.completed += 1

@@ -22,10 +22,11 @@ class Handle:
     """
 
     __slots__ = ("collective", "round", "_event", "_result", "_error", "_deadline",
-                 "_engine_alive", "started", "finished")
+                 "_engine_alive", "_drive", "started", "finished")
 
     def __init__(self, collective: str, round: int, deadline: float,
-                 engine_alive: Callable[[], bool]) -> None:
+                 engine_alive: Callable[[], bool],
+                 drive: Callable[["Handle", float], None] | None = None) -> None:
         self.collective = collective
         self.round = round
         self._event = threading.Event()
@@ -33,6 +34,8 @@ class Handle:
         self._error: BaseException | None = None
         self._deadline = deadline
         self._engine_alive = engine_alive
+        # Engine.drive_until: a waiter first lends its thread to the engine.
+        self._drive = drive
         self.started = time.monotonic()
         self.finished: float | None = None
 
@@ -65,6 +68,11 @@ class Handle:
         ``timeout`` it raises WaitTimeoutError after that many seconds, and the
         collective keeps running.
         """
+        if self._drive is not None and not self._event.is_set():
+            start = time.monotonic()
+            self._drive(self, self._deadline if timeout is None else start + timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - start))
         if timeout is not None:
             if not self._event.wait(timeout):
                 raise WaitTimeoutError(
