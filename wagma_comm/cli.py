@@ -29,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "imbalance"]:  # `wagma bench imbalance` = `wagma imbalance`
+        argv = argv[1:]
     args = build_parser().parse_args(argv)
     commands = {"schedule": schedule_cli.run, "bench": bench_cli.run,
                 "imbalance": imbalance_cli.run}

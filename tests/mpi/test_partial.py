@@ -337,7 +337,8 @@ def test_imbalance_benchmark_runs_every_method(tmp_path_factory: Any) -> None:
                        else None)
     args = argparse.Namespace(compute=0.001, imbalance=None, sync_every=2, group_size=0,
                               elements=64, periods=1, rounds=1,
-                              methods=",".join(imbalance.METHODS), seed=0, json=path)
+                              methods=",".join(imbalance.METHODS), seed=0, json=path,
+                              delays=None, plot=None)
     assert imbalance.run(args) == 0
     if RANK == 0:
         with open(path) as fh:

@@ -1,23 +1,34 @@
-"""``wagma bench``: allreduce and group_allreduce over a size sweep, with
-mpi4py's MPI_Allreduce on the same buffers in the same run.
+"""``wagma bench COLLECTIVE``: nccl-tests/OSU-style microbenchmarks with peers
+measured side by side in the same run, on the same buffers.
 
-Run it under mpiexec (``mpiexec -n 8 wagma bench``). Every rank measures, rank 0
-prints a table in the nccl-tests layout and the ratio ours/MPI per size.
+Collectives: ``allreduce``, ``group_allreduce``, ``broadcast``,
+``wait_avoiding``, ``solo``, ``majority`` (the persistent partial collectives,
+timed per ``step`` with every rank on time), ``overlap`` (osu_iallreduce's
+overall / compute / pure communication / overlap %), ``all`` (the first three),
+and ``imbalance`` (``wagma bench imbalance``: the training-shaped loop under the
+load-imbalance injectors; see ``wagma bench imbalance --help``).
+
+Run it under mpiexec (``mpiexec -n 8 wagma bench allreduce --vs mpi,gloo``).
+Every rank measures; rank 0 prints a table in the nccl-tests layout (time is the
+mean over ranks of each rank's median round, with min and max over ranks), the
+ratio of our time to each peer's, and the targets with PASS/FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
+from . import report
+
 SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SWEEP_COLLECTIVES = ("allreduce", "group_allreduce", "broadcast", "wait_avoiding", "solo",
+                     "majority")
+COLLECTIVES = ("all", *SWEEP_COLLECTIVES, "overlap", "imbalance")
 
 
 def parse_size(text: str) -> int:
@@ -28,11 +39,10 @@ def parse_size(text: str) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="collective benchmark (run under mpiexec)",
+    p = sub.add_parser("bench", help="collective microbenchmarks (run under mpiexec)",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("collective", nargs="?", default="all",
-                   choices=["all", "allreduce", "group_allreduce"])
+    p.add_argument("collective", nargs="?", default="all", choices=COLLECTIVES)
     p.add_argument("-b", "--minbytes", type=parse_size, default=8)
     p.add_argument("-e", "--maxbytes", type=parse_size, default=64 << 20)
     p.add_argument("-f", "--stepfactor", type=int, default=2)
@@ -45,19 +55,32 @@ def add_parser(sub: Any) -> None:
                    help="alternating rounds per implementation (median is kept)")
     p.add_argument("-c", "--check", type=int, default=1, help="check results (#wrong)")
     p.add_argument("--group-size", type=int, default=0,
-                   help="group size for group_allreduce (default: half the ranks)")
+                   help="group size of group collectives (default: half the ranks)")
     p.add_argument("--step", type=int, default=0, help="group step for group_allreduce")
+    p.add_argument("--root", type=int, default=0, help="root of broadcast")
+    p.add_argument("--sync-every", type=int, default=10,
+                   help="sync period of the partial collectives")
     p.add_argument("--algorithm", default=None, help="force a wagma algorithm")
     p.add_argument("--algorithms", default=None,
                    help="comma-separated wagma algorithms to time side by side "
                         "(allreduce only), e.g. recursive_doubling,rabenseifner,ring")
-    p.add_argument("--vs", default="mpi", help="peers to compare with: mpi or none")
+    p.add_argument("--vs", default="mpi",
+                   help="peers, comma-separated: mpi, mpi-nb, gloo, nccl, or none")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--compute-kind", default="numpy", choices=["numpy", "python"],
+                   help="overlap: the compute kernel (numpy releases the GIL)")
     p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
     p.add_argument("--csv", default=None, help="write results as CSV (rank 0)")
+    p.add_argument("--plot", default=None, help="write a bandwidth/time plot (PNG, rank 0)")
+    p.add_argument("--progress", default="auto", choices=["auto", "on", "off"],
+                   help="progress bar on rank 0's stderr; auto: only on a terminal "
+                        "(under mpiexec stderr is a pipe, so pass --progress on)")
 
 
 @dataclass
 class Row:
+    """One message size of one collective: results per implementation."""
+
     collective: str
     nbytes: int
     count: int
@@ -67,24 +90,48 @@ class Row:
     results: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def _busbw_factor(collective: str, n: int) -> float:
-    # nccl-tests: allreduce moves 2(n-1)/n of the buffer per rank.
-    return 2.0 * (n - 1) / n if n > 1 else 0.0
+@dataclass
+class Context:
+    """What every collective's implementations are built from."""
+
+    args: argparse.Namespace
+    comm: Any
+    world: Any
+    dtype: Any
+    peers: list[Any]
+    group: list[int]
+    partition: list[list[int]]
+    gsize: int
 
 
-def _pattern(rank: int, count: int, storage: np.dtype, dtype: Any) -> np.ndarray:
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus bandwidth factors: allreduce moves 2(n-1)/n of the
+    buffer per rank, broadcast 1; group collectives use the group's n."""
+    if n <= 1:
+        return 0.0
+    if collective == "broadcast":
+        return 1.0
+    return 2.0 * (n - 1) / n
+
+
+def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
+    """Rank-dependent small integers: exact in every dtype, so a check is exact."""
     vals = ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float32)
-    return np.asarray(vals.astype(dtype.numpy)).view(storage)
+    return np.asarray(vals.astype(dtype.numpy)).view(dtype.storage)
 
 
-def _expected(ranks: list[int], count: int, op: str) -> np.ndarray:
-    per = [((r % 4) + 1 + (np.arange(count) % 3)).astype(np.float64) for r in ranks]
-    stack = np.stack(per)
+def expected_result(collective: str, ranks: list[int], count: int, op: str,
+                    root: int = 0) -> np.ndarray:
+    if collective == "broadcast":
+        return ((root % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
+    stack = np.stack([((r % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
+                      for r in ranks])
     return {"sum": stack.sum(0), "avg": stack.sum(0) / len(ranks), "max": stack.max(0),
             "min": stack.min(0), "prod": stack.prod(0)}[op]
 
 
-def _count_wrong(arr: np.ndarray, dtype: Any, expected: np.ndarray) -> int:
+def count_wrong(arr: np.ndarray, dtype: Any, expected: np.ndarray) -> int:
+    """Elements of ``arr`` (storage view) that differ from ``expected``."""
     got = arr.view(dtype.numpy).astype(np.float64)
     if not dtype.is_float:
         expected = np.floor(expected)
@@ -92,189 +139,211 @@ def _count_wrong(arr: np.ndarray, dtype: Any, expected: np.ndarray) -> int:
     return int(np.count_nonzero(np.abs(got - expected) > tol * np.abs(expected) + 1e-12))
 
 
+def sizes_of(args: argparse.Namespace) -> list[int]:
+    from ..errors import InvalidArgumentError
+
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        raise InvalidArgumentError("-b/-e", f"need 1 <= minbytes <= maxbytes, got "
+                                   f"{args.minbytes}, {args.maxbytes}")
+    out, nbytes = [], args.minbytes
+    while nbytes <= args.maxbytes:
+        out.append(nbytes)
+        nbytes *= max(2, args.stepfactor)
+    return out
+
+
+# -- implementations per collective ------------------------------------------------
+def _peer_calls(ctx: Context, make: Callable[[Any], Callable[[], object] | None]
+                ) -> dict[str, Callable[[], object]]:
+    out = {}
+    for peer in ctx.peers:
+        call = make(peer)
+        if call is not None:
+            out[peer.name] = call
+    return out
+
+
+def _impls(coll: str, ctx: Context, buf: np.ndarray
+           ) -> tuple[dict[str, Callable[[], object]], list[Callable[[], None]]]:
+    """Zero-argument calls per implementation, and what to close afterwards."""
+    args, comm = ctx.args, ctx.comm
+    arr = buf.view(ctx.dtype.numpy)
+    impls: dict[str, Callable[[], object]] = {}
+    closers: list[Callable[[], None]] = []
+    if coll == "allreduce":
+        algs = args.algorithms.split(",") if args.algorithms else [args.algorithm]
+        for alg in algs:
+            name = f"wagma:{alg}" if args.algorithms else "wagma"
+            impls[name] = lambda a=alg: comm.allreduce(arr, args.op, algorithm=a)
+        impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, args.op)))
+    elif coll == "group_allreduce":
+        impls["wagma"] = lambda: comm.group_allreduce(arr, ctx.gsize, args.step, args.op,
+                                                      algorithm=args.algorithm)
+        impls.update(_peer_calls(ctx, lambda p: p.group_allreduce(
+            arr, args.op, ctx.group, ctx.partition)))
+        impls["wagma-global"] = lambda: comm.allreduce(arr, args.op, algorithm=args.algorithm)
+    elif coll == "broadcast":
+        impls["wagma"] = lambda: comm.broadcast(arr, args.root, algorithm=args.algorithm)
+        impls.update(_peer_calls(ctx, lambda p: p.broadcast(arr, args.root)))
+    elif coll in ("wait_avoiding", "solo", "majority"):
+        op = "avg" if args.op not in ("sum", "avg") else args.op
+        if coll == "wait_avoiding":
+            partial = comm.wait_avoiding_group_allreduce(arr, ctx.gsize, args.sync_every)
+            impls["wagma-blocking-group"] = lambda: comm.group_allreduce(
+                arr, ctx.gsize, args.step, "avg")
+        else:
+            make = comm.solo_allreduce if coll == "solo" else comm.majority_allreduce
+            partial = make(arr, args.sync_every, op=op)
+            impls["wagma-allreduce"] = lambda: comm.allreduce(arr, op)
+        impls = {"wagma": lambda: partial.step(arr), **impls}
+        impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, "sum")))
+        closers.append(lambda: (partial.flush(), partial.close()))  # nothing left pending
+    return impls, closers
+
+
+def _check(coll: str, ctx: Context, buf: np.ndarray,
+           impls: dict[str, Callable[[], object]]) -> dict[str, int]:
+    """#wrong per implementation (summed over ranks); -1 where not checked."""
+    if not ctx.args.check or coll not in ("allreduce", "group_allreduce", "broadcast"):
+        return {}
+    members = list(range(ctx.comm.size)) if coll != "group_allreduce" else ctx.group
+    expected = expected_result(coll, members, buf.size, ctx.args.op, ctx.args.root)
+    wrong = {}
+    for name, call in impls.items():
+        if name == "wagma-global":
+            continue
+        buf[:] = pattern(ctx.comm.rank, buf.size, ctx.dtype)
+        call()
+        wrong[name] = ctx.world.allreduce(count_wrong(buf, ctx.dtype, expected))
+    return wrong
+
+
+def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]:
+    """Time every implementation of ``coll`` at every size, side by side."""
+    from .measure import iterations_for, side_by_side
+
+    args, dtype = ctx.args, ctx.dtype
+    members = ctx.gsize if coll in ("group_allreduce", "wait_avoiding") else ctx.comm.size
+    rows = []
+    for nb in sizes:
+        count = max(1, nb // dtype.itemsize)
+        buf = pattern(ctx.comm.rank, count, dtype).copy()
+        impls, closers = _impls(coll, ctx, buf)
+        row = Row(coll, count * dtype.itemsize, count, dtype.name,
+                  args.op if coll not in ("wait_avoiding",) else "avg", members)
+        wrong = _check(coll, ctx, buf, impls)
+        buf[:] = pattern(ctx.comm.rank, count, dtype)
+        timings = side_by_side(impls, iterations_for(row.nbytes, args.iters), args.warmup,
+                               args.rounds, ctx.world)
+        for close in closers:
+            close()
+        factor = busbw_factor(coll, members)
+        for name, t in timings.items():
+            algbw = row.nbytes / t.avg / 1e9
+            row.results[name] = {"time_us": t.avg * 1e6, "min_us": t.min * 1e6,
+                                 "max_us": t.max * 1e6, "algbw": algbw,
+                                 "busbw": algbw * factor, "wrong": wrong.get(name, -1)}
+        if coll in ("group_allreduce", "wait_avoiding"):
+            row.results["wagma"]["aggbw"] = row.results["wagma"]["algbw"] * len(ctx.partition)
+        rows.append(row)
+        if ctx.comm.rank == 0:
+            if len(rows) == 1:
+                _emit(progress, report.header(coll, list(impls), members))
+            _emit(progress, report.row_line(row))
+        progress.advance(note=f"{coll} {report.human_bytes(nb)}")
+    return rows
+
+
+# -- the command --------------------------------------------------------------------
+def _emit(progress: Any, line: str) -> None:
+    """Print a table line without tearing the progress bar (stderr, TTY only)."""
+    clear = getattr(progress, "clear", None)
+    if clear is not None:
+        clear()
+    print(line, flush=True)
+
+
+def _check_device(device: str) -> None:
+    from ..errors import UnsupportedError
+
+    if device == "cuda":
+        raise UnsupportedError("--device", "GPU buffers need the NCCL transport (issue #4), "
+                               "which this build does not have yet; use --device cpu")
+
+
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import wagma_comm
     from wagma_comm import dtypes, groups
-    from wagma_comm.bench.measure import iterations_for, side_by_side
 
+    from . import peers as peers_mod
+    from .progress import Progress
+
+    _check_device(args.device)
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
     dtype = dtypes.lookup(args.dtype, "--dtype")
     dtypes.check_op(args.op, "--op")
+    sizes = sizes_of(args)
     comm = wagma_comm.init()
-    peer = world.Dup()
+    rank, size = comm.rank, comm.size
     gsize = args.group_size or max(1, size // 2)
-    collectives = (["allreduce", "group_allreduce"] if args.collective == "all"
-                   else [args.collective])
-    mpi_op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}.get(args.op)
-    use_mpi = args.vs == "mpi" and dtype.mpi_name is not None and mpi_op is not None
-    mpi_type = getattr(MPI, dtype.mpi_name) if dtype.mpi_name else None
-    group = list(groups.group_of(rank, size, gsize, args.step))
-    color = groups.partition(size, gsize, args.step).index(tuple(group))
-    peer_group = peer.Split(color, rank)
-
-    rows: list[Row] = []
-    nbytes = args.minbytes
-    sizes = []
-    while nbytes <= args.maxbytes:
-        sizes.append(nbytes)
-        nbytes *= max(2, args.stepfactor)
-    for coll in collectives:
-        n_members = size if coll == "allreduce" else len(group)
-        for nb in sizes:
-            count = max(1, nb // dtype.itemsize)
-            buf = _pattern(rank, count, dtype.storage, dtype).copy()
-            arr = buf.view(dtype.numpy)
-            impls: dict[str, Callable[[], object]] = {}
-            if coll == "allreduce" and args.algorithms:
-                for alg in args.algorithms.split(","):
-                    impls[f"wagma:{alg}"] = (lambda a=alg: comm.allreduce(arr, args.op,
-                                                                          algorithm=a))
-                if use_mpi:
-                    impls["mpi"] = lambda: peer.Allreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
-            elif coll == "allreduce":
-                impls["wagma"] = lambda: comm.allreduce(arr, args.op, algorithm=args.algorithm)
-                if use_mpi:
-                    impls["mpi"] = lambda: peer.Allreduce(MPI.IN_PLACE, [buf, mpi_type], mpi_op)
-            else:
-                impls["wagma"] = lambda: comm.group_allreduce(
-                    arr, gsize, args.step, args.op, algorithm=args.algorithm)
-                if use_mpi:
-                    impls["mpi"] = lambda: peer_group.Allreduce(
-                        MPI.IN_PLACE, [buf, mpi_type], mpi_op)
-                impls["wagma-global"] = lambda: comm.allreduce(
-                    arr, args.op, algorithm=args.algorithm)
-            row = Row(coll, count * dtype.itemsize, count, dtype.name, args.op, n_members)
-            wrong: dict[str, int] = {}
-            if args.check:
-                members = list(range(size)) if coll == "allreduce" else group
-                expected = _expected(members, count, args.op)
-                for name, call in impls.items():
-                    if name == "wagma-global":
-                        continue
-                    buf[:] = _pattern(rank, count, dtype.storage, dtype)
-                    call()
-                    wrong[name] = world.allreduce(_count_wrong(buf, dtype, expected))
-            iters = iterations_for(row.nbytes, args.iters)
-            timings = side_by_side(impls, iters, args.warmup, args.rounds, world)
-            factor = _busbw_factor(coll, n_members)
-            for name, t in timings.items():
-                algbw = row.nbytes / t.avg / 1e9
-                row.results[name] = {"time_us": t.avg * 1e6, "min_us": t.min * 1e6,
-                                     "max_us": t.max * 1e6, "algbw": algbw,
-                                     "busbw": algbw * factor, "wrong": wrong.get(name, -1)}
-            if coll == "group_allreduce" and "wagma" in row.results:
-                groups_count = len(groups.partition(size, gsize, args.step))
-                row.results["wagma"]["aggbw"] = row.results["wagma"]["algbw"] * groups_count
-            rows.append(row)
-            if rank == 0:
-                if len(rows) == 1 or rows[-2].collective != coll:
-                    _print_header(coll, list(impls), n_members)
-                _print_row(row)
+    groups.check_group_size(size, gsize, "--group-size")
+    ctx = Context(args, comm, world, dtype,
+                  peers_mod.make_peers(peers_mod.parse_vs(args.vs), world, args.device),
+                  list(groups.group_of(rank, size, gsize, args.step)),
+                  [list(g) for g in groups.partition(size, gsize, args.step)], gsize)
     if rank == 0:
-        _print_summary(rows)
-        meta = _metadata(comm)
-        if args.json:
-            _write_json(args.json, rows, meta)
-        if args.csv:
-            _write_csv(args.csv, rows)
-    peer_group.Free()
-    peer.Free()
+        for peer in ctx.peers:
+            if peer.reason is not None:
+                print(f"# peer {peer.name} unavailable: {peer.reason}", flush=True)
+    if args.collective == "overlap":
+        return _run_overlap(ctx, sizes)
+    collectives = (["allreduce", "group_allreduce", "broadcast"] if args.collective == "all"
+                   else [args.collective])
+    rows: list[Row] = []
+    show = {"on": True, "off": False, "auto": None}[args.progress]
+    with Progress(len(sizes) * len(collectives), "wagma bench",
+                  enabled=show if rank == 0 else False) as progress:
+        for coll in collectives:
+            rows.extend(sweep(coll, ctx, sizes, progress))
+    meta = report.metadata(comm, ctx.peers)
+    if rank == 0:
+        print(report.summary(rows), flush=True)
+        _write_outputs(args, rows, meta)
+    for peer in ctx.peers:
+        peer.close()
     comm.close()
     return 0
 
 
-def _print_header(coll: str, impls: list[str], n: int) -> None:
-    print(f"\n# {coll}  (group of {n} ranks)" if coll == "group_allreduce"
-          else f"\n# {coll}  ({n} ranks)")
-    head = f"{'size':>10} {'count':>10} {'type':>8} {'redop':>5}"
-    for name in impls:
-        head += f" | {name + ' time(us)':>19} {'algbw':>6} {'busbw':>6} {'#wrong':>6}"
-    if "mpi" in impls and "wagma" in impls:
-        head += f" | {'wagma/mpi':>9}"
-    if "wagma-global" in impls:
-        head += f" {'group/global':>12}"
-    print(head, flush=True)
+def _run_overlap(ctx: Context, sizes: list[int]) -> int:
+    from . import overlap
+
+    args = ctx.args
+    results = overlap.run_overlap(ctx.comm, ctx.world, sizes, ctx.dtype.name, args.op,
+                                  iters=args.iters, warmup=args.warmup, rounds=args.rounds,
+                                  compute=args.compute_kind, check=bool(args.check),
+                                  quiet=False)
+    meta = report.metadata(ctx.comm, ctx.peers)
+    if ctx.comm.rank == 0:
+        print(report.overlap_summary(results), flush=True)
+        if args.json:
+            report.write_json(args.json, {"meta": meta, "overlap": results})
+    for peer in ctx.peers:
+        peer.close()
+    ctx.comm.close()
+    return 0
 
 
-def _print_row(row: Row) -> None:
-    line = f"{row.nbytes:>10} {row.count:>10} {row.dtype:>8} {row.op:>5}"
-    for r in row.results.values():
-        wrong = "n/a" if r["wrong"] < 0 else str(r["wrong"])
-        line += f" | {r['time_us']:>19.1f} {r['algbw']:>6.2f} {r['busbw']:>6.2f} {wrong:>6}"
-    if "mpi" in row.results and "wagma" in row.results:
-        line += f" | {row.results['wagma']['time_us'] / row.results['mpi']['time_us']:>9.2f}"
-    if "wagma-global" in row.results:
-        ratio = row.results["wagma"]["time_us"] / row.results["wagma-global"]["time_us"]
-        line += f" {ratio:>12.2f}"
-    print(line, flush=True)
+def _write_outputs(args: argparse.Namespace, rows: list[Row], meta: dict[str, Any]) -> None:
+    if args.json:
+        report.write_json(args.json, {"meta": meta, "rows": [r.__dict__ for r in rows]})
+    if args.csv:
+        report.write_csv(args.csv, rows)
+    if args.plot:
+        from .plot import plot_sweep
 
-
-def _print_summary(rows: list[Row]) -> None:
-    """Issue #2 targets, judged on this run's side-by-side ratios."""
-    print("\n# targets")
-
-    def verdict(ok: bool) -> str:
-        return "PASS" if ok else "FAIL"
-
-    ar = [r for r in rows if r.collective == "allreduce" and "mpi" in r.results
-          and "wagma" in r.results]
-    big = [r for r in ar if r.nbytes >= 16 << 20 and r.dtype == "float32"]
-    if big:
-        worst = max(r.results["wagma"]["time_us"] / r.results["mpi"]["time_us"] for r in big)
-        print(f"  float32 allreduce >= 16 MiB within 1.15x of MPI_Allreduce: "
-              f"worst {worst:.2f}x  {verdict(worst <= 1.15)}")
-    small = [r for r in ar if r.nbytes == 8]
-    if small:
-        ratio = small[0].results["wagma"]["time_us"] / small[0].results["mpi"]["time_us"]
-        print(f"  8-byte allreduce latency within 3x of MPI_Allreduce: {ratio:.2f}x  "
-              f"{verdict(ratio <= 3.0)}")
-    grp = [r for r in rows if r.collective == "group_allreduce" and r.nbytes == 16 << 20]
-    if grp:
-        r = grp[0]
-        ratio = r.results["wagma"]["time_us"] / r.results["wagma-global"]["time_us"]
-        print(f"  group allreduce (group {r.group_size}) on 16 MiB faster than global "
-              f"allreduce: {ratio:.2f}x of its time  {verdict(ratio < 1.0)}")
-
-
-def _metadata(comm: Any) -> dict[str, Any]:
-    from mpi4py import MPI
-
-    import mpi4py
-    import numba
-
-    import wagma_comm
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"command": " ".join(sys.argv), "ranks": comm.size,
-            "wagma_comm": wagma_comm.__version__, "python": platform.python_version(),
-            "numpy": np.__version__, "numba": numba.__version__, "mpi4py": mpi4py.__version__,
-            "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-            "cpu": cpu, "cpus": os.cpu_count(), "host": platform.node()}
-
-
-def _write_json(path: str, rows: list[Row], meta: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump({"meta": meta, "rows": [r.__dict__ for r in rows]}, fh, indent=1)
-
-
-def _write_csv(path: str, rows: list[Row]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write("collective,impl,size,count,type,redop,group_size,time_us,min_us,max_us,"
-                 "algbw,busbw,wrong\n")
-        for r in rows:
-            for name, v in r.results.items():
-                fh.write(f"{r.collective},{name},{r.nbytes},{r.count},{r.dtype},{r.op},"
-                         f"{r.group_size},{v['time_us']:.3f},{v['min_us']:.3f},"
-                         f"{v['max_us']:.3f},{v['algbw']:.4f},{v['busbw']:.4f},"
-                         f"{v['wrong']}\n")
+        plot_sweep([r.__dict__ for r in rows], args.plot, meta=meta,
+                   metrics=("busbw", "time_us"))
+        print(f"# plot written to {os.path.abspath(args.plot)}", flush=True)

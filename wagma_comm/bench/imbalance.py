@@ -45,7 +45,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per method")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delays", default=None,
+                   help="sweep: comma-separated reference-injector delays in seconds "
+                        "(e.g. 0,0.025,0.05,0.1); one measurement per delay")
     p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
+    p.add_argument("--plot", default=None,
+                   help="PNG of throughput against injected delay (with --delays)")
 
 
 def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
@@ -82,20 +87,27 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
     else:
         raise SystemExit(f"unknown method {method!r}; expected some of {', '.join(METHODS)}")
 
+    waits: list[float] = []
+
     def run() -> float:
         comm.barrier()
+        waited = 0.0
         t0 = time.perf_counter()
         for t in range(steps):
             time.sleep(args.compute)
             injector.sleep(comm.rank, t)
+            c0 = time.perf_counter()
             collective(t)
+            waited += time.perf_counter() - c0
         elapsed = time.perf_counter() - t0
+        waits.append(waited / steps)
         if coll is not None:
             coll.flush()
         return elapsed
 
     run.close = (lambda: coll.close()) if coll is not None else (lambda: None)  # type: ignore[attr-defined]
     run.statistics = (lambda: coll.statistics()) if coll is not None else dict  # type: ignore[attr-defined]
+    run.waits = waits  # type: ignore[attr-defined]
     return run
 
 
@@ -105,15 +117,13 @@ def comm_allgather(value: Any) -> list[Any]:
     return MPI.COMM_WORLD.allgather(value)
 
 
-def run(args: argparse.Namespace) -> int:
-    import wagma_comm
+def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    """One measurement of every method under the injector ``spec``; the
+    returned summary (rates, expectations, waits, staleness) is the same on
+    every rank."""
     from wagma_comm import imbalance as imb
 
-    comm = wagma_comm.init()
     P = comm.size
-    if not args.group_size:
-        args.group_size = max(1, P // 2)
-    spec = args.imbalance or f"reference:{args.compute}:2"
     injector = imb.make_injector(spec, P, seed=args.seed)
     steps = args.periods * args.sync_every
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -127,11 +137,20 @@ def run(args: argparse.Namespace) -> int:
         for m in order:
             samples[m].append(loops[m]())
     fresh: dict[str, float | None] = {}
-    for m, loop in loops.items():  # share of contributions that were current
+    staleness: dict[str, dict[int, int]] = {}
+    waits: dict[str, list[float]] = {}
+    for m, loop in loops.items():
         stats = loop.statistics()  # type: ignore[attr-defined]
         mine = (stats.get("fresh_contributions", 0), stats.get("stale_contributions", 0))
         f, s = (sum(v) for v in zip(*comm_allgather(mine)))
-        fresh[m] = f / (f + s) if f + s else None
+        fresh[m] = f / (f + s) if f + s else None  # share of contributions that were current
+        merged: dict[int, int] = {}
+        for hist in comm_allgather(stats.get("staleness_histogram", {})):
+            for k, v in hist.items():
+                merged[int(k)] = merged.get(int(k), 0) + int(v)
+        staleness[m] = dict(sorted(merged.items()))
+        # Mean seconds per iteration inside the collective, per rank (timed rounds).
+        waits[m] = comm_allgather(statistics.median(loop.waits[1:]))  # type: ignore[attr-defined]
         loop.close()  # type: ignore[attr-defined]
 
     rates: dict[str, float] = {}
@@ -142,40 +161,78 @@ def run(args: argparse.Namespace) -> int:
     waitavoid = imb.iterations_per_second_wait_avoiding(
         injector, args.compute, args.sync_every, periods=args.periods)
     exact = None
-    if isinstance(injector, imb.ReferenceImbalance):
+    if isinstance(injector, imb.ReferenceImbalance) and injector.delay_s > 0:
         period = (args.sync_every * args.compute + imb.exact_reference_period_max(
             P, injector.count, args.sync_every, injector.delay_s))
         exact = args.sync_every / period
     expected = {m: (blocking if m == "allreduce" else
                     waitavoid if m in ("wagma", "wagma_group_scope", "solo") else None)
                 for m in methods}
+    return {"ranks": P, "compute_s": args.compute, "injector": injector.spec,
+            "delay_s": getattr(injector, "delay_s", None),
+            "sync_every": args.sync_every, "group_size": args.group_size,
+            "elements": args.elements, "steps": steps, "rounds": args.rounds,
+            "rates": rates, "expected": expected, "fresh_share": fresh,
+            "wait_per_iteration_s": waits, "staleness_histogram": staleness,
+            "expected_wait_avoiding": waitavoid, "expected_wait_avoiding_exact": exact,
+            "expected_blocking": blocking, "samples_s": samples}
+
+
+def print_result(res: dict[str, Any]) -> None:
+    """Rank 0's table: it/s, expectations, freshness, waits per rank, staleness."""
+    rates, expected, fresh = res["rates"], res["expected"], res["fresh_share"]
+    base = rates.get("allreduce")
+    print(f"# wagma imbalance: {res['ranks']} ranks, compute {res['compute_s'] * 1e3:g} ms, "
+          f"injector {res['injector']}, sync_every {res['sync_every']}, group_size "
+          f"{res['group_size']}, {res['elements']} x float32, {res['steps']} steps x "
+          f"{res['rounds']} rounds (median)")
+    exact = res["expected_wait_avoiding_exact"]
+    print(f"# expected it/s over these draws: wait-avoiding {res['expected_wait_avoiding']:.2f}"
+          + (f" (exact for this injector: {exact:.2f})" if exact else "")
+          + f", globally synchronous {res['expected_blocking']:.2f}")
+    print(f"{'method':>18} {'it/s':>8} {'vs allreduce':>13} {'expected':>9} "
+          f"{'of expected':>12} {'fresh':>6}")
+    for m, rate in rates.items():
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        exp = expected[m]
+        print(f"{m:>18} {rate:8.2f} {ratio:>13} {(f'{exp:.2f}' if exp else '-'):>9} "
+              f"{(f'{100 * rate / exp:.0f}%' if exp else '-'):>12} "
+              f"{(f'{100 * fresh[m]:.0f}%' if fresh[m] is not None else '-'):>6}")
+    print("# wait per iteration inside the collective, ms, per rank 0..P-1")
+    for m, per_rank in res["wait_per_iteration_s"].items():
+        print(f"{m:>18} " + " ".join(f"{1e3 * w:6.1f}" for w in per_rank))
+    print("# staleness histogram over all ranks' calls {staleness: calls}")
+    for m, hist in res["staleness_histogram"].items():
+        if hist:
+            print(f"{m:>18} {hist}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import wagma_comm
+
+    comm = wagma_comm.init()
+    if not args.group_size:
+        args.group_size = max(1, comm.size // 2)
+    if args.delays:
+        specs = [f"reference:{float(d)}:2" for d in args.delays.split(",") if d.strip()]
+    else:
+        specs = [args.imbalance or f"reference:{args.compute}:2"]
+    results = []
+    for spec in specs:
+        res = measure(comm, args, spec)
+        results.append(res)
+        if comm.rank == 0:
+            print_result(res)
+            print(flush=True)
     if comm.rank == 0:
-        base = rates.get("allreduce")
-        print(f"# wagma imbalance: {P} ranks, compute {args.compute * 1e3:g} ms, "
-              f"injector {injector.spec}, sync_every {args.sync_every}, group_size "
-              f"{args.group_size}, {args.elements} x float32, {steps} steps x "
-              f"{args.rounds} rounds (median)")
-        print(f"# expected it/s over these draws: wait-avoiding {waitavoid:.2f}"
-              + (f" (exact for this injector: {exact:.2f})" if exact else "")
-              + f", globally synchronous {blocking:.2f}")
-        print(f"{'method':>18} {'it/s':>8} {'vs allreduce':>13} {'expected':>9} "
-              f"{'of expected':>12} {'fresh':>6}")
-        for m in methods:
-            ratio = f"{rates[m] / base:.2f}x" if base else "-"
-            exp = expected[m]
-            print(f"{m:>18} {rates[m]:8.2f} {ratio:>13} "
-                  f"{(f'{exp:.2f}' if exp else '-'):>9} "
-                  f"{(f'{100 * rates[m] / exp:.0f}%' if exp else '-'):>12} "
-                  f"{(f'{100 * fresh[m]:.0f}%' if fresh[m] is not None else '-'):>6}")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"ranks": P, "compute_s": args.compute, "injector": injector.spec,
-                           "sync_every": args.sync_every, "group_size": args.group_size,
-                           "elements": args.elements, "steps": steps, "rounds": args.rounds,
-                           "rates": rates, "expected": expected, "fresh_share": fresh,
-                           "expected_wait_avoiding": waitavoid,
-                           "expected_wait_avoiding_exact": exact,
-                           "expected_blocking": blocking,
-                           "samples_s": samples}, fh, indent=1)
+                json.dump(results[0] if len(results) == 1 else {"sweep": results}, fh, indent=1)
+        if args.plot:
+            from .plot import plot_imbalance, points_from_imbalance
+
+            points, meta = points_from_imbalance(results)
+            plot_imbalance(points, args.plot, meta=meta)
+            print(f"# plot written to {args.plot}", flush=True)
     comm.close()
     return 0

@@ -1,0 +1,118 @@
+"""``wagma bench`` end to end at tiny sizes, under mpiexec at any size: every
+subcommand runs, its JSON has the stable schema, results check out (#wrong 0),
+and the check really catches a corrupted result."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from wagma_comm import Communicator, dtypes
+from wagma_comm.bench import cli as bench_cli
+from wagma_comm.cli import build_parser
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+ROW_KEYS = {"collective", "nbytes", "count", "dtype", "op", "group_size", "results"}
+RESULT_KEYS = {"time_us", "min_us", "max_us", "algbw", "busbw", "wrong"}
+META_KEYS = {"command", "ranks", "wagma_comm", "python", "numpy", "numba", "mpi4py",
+             "mpi_library", "cpu", "cpus", "gpu", "nccl", "torch", "peers"}
+
+
+@pytest.fixture
+def shared_dir(tmp_path_factory: Any) -> Iterator[str]:
+    path = WORLD.bcast(str(tmp_path_factory.mktemp("bench")) if RANK == 0 else None)
+    yield path
+
+
+def _bench(argv: list[str]) -> int:
+    args = build_parser().parse_args(["bench", *argv])
+    return bench_cli.run(args)
+
+
+def _load(path: str) -> dict[str, Any]:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "group_allreduce", "broadcast"])
+def test_sweep_json_schema_and_no_wrong_results(shared_dir: str, collective: str) -> None:
+    path = os.path.join(shared_dir, f"{collective}.json")
+    csv = os.path.join(shared_dir, f"{collective}.csv")
+    assert _bench([collective, "-b", "8", "-e", "1K", "-f", "8", "-n", "3", "-r", "1",
+                   "--vs", "mpi", "--json", path, "--csv", csv]) == 0
+    if RANK != 0:
+        return
+    out = _load(path)
+    assert META_KEYS <= set(out["meta"])
+    assert out["meta"]["ranks"] == SIZE
+    rows = out["rows"]
+    assert [r["nbytes"] for r in rows] == [8, 64, 512]
+    for row in rows:
+        assert set(row) == ROW_KEYS and row["collective"] == collective
+        assert {"wagma", "mpi"} <= set(row["results"])
+        for name, res in row["results"].items():
+            assert RESULT_KEYS <= set(res)
+            assert res["time_us"] > 0 and res["min_us"] <= res["time_us"] <= res["max_us"]
+            if name != "wagma-global":
+                assert res["wrong"] == 0, (name, row)
+    with open(csv) as fh:
+        lines = fh.read().splitlines()
+    assert lines[0].startswith("collective,impl,size")
+    assert len(lines) == 1 + sum(len(r["results"]) for r in rows)
+
+
+@pytest.mark.parametrize("collective", ["wait_avoiding", "solo", "majority"])
+def test_partial_collectives_are_timed_per_step(shared_dir: str, collective: str) -> None:
+    path = os.path.join(shared_dir, f"{collective}.json")
+    assert _bench([collective, "-b", "64", "-e", "64", "-n", "4", "-r", "1", "-w", "1",
+                   "--sync-every", "3", "--vs", "mpi", "--json", path]) == 0
+    if RANK == 0:
+        (row,) = _load(path)["rows"]
+        assert row["collective"] == collective
+        assert "wagma" in row["results"] and row["results"]["wagma"]["time_us"] > 0
+
+
+def test_overlap_subcommand(shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "overlap.json")
+    assert _bench(["overlap", "-b", "1K", "-e", "1K", "-n", "3", "-r", "1", "-w", "1",
+                   "--json", path]) == 0
+    if RANK == 0:
+        results = _load(path)["overlap"]
+        assert {r["impl"] for r in results} >= {"wagma", "mpi"}
+        for r in results:
+            assert 0.0 <= r["overlap_pct"] <= 100.0
+
+
+def test_check_detects_a_corrupted_result(comm: Communicator) -> None:
+    """-c counts every element that differs from the expected reduction: an
+    implementation that corrupts one element per rank is caught on every rank."""
+    dtype = dtypes.lookup("float32")
+    args = build_parser().parse_args(["bench", "allreduce", "--vs", "none"])
+    ctx = bench_cli.Context(args, comm, WORLD, dtype, [], list(range(SIZE)),
+                            [list(range(SIZE))], SIZE)
+    buf = bench_cli.pattern(RANK, 16, dtype).copy()
+    arr = buf.view(np.float32)
+
+    def honest() -> None:
+        comm.allreduce(arr, "sum")
+
+    def corrupting() -> None:
+        comm.allreduce(arr, "sum")
+        arr[RANK % 16] += 1.0
+
+    wrong = bench_cli._check("allreduce", ctx, buf, {"honest": honest, "bad": corrupting})
+    assert wrong == {"honest": 0, "bad": SIZE}
+
+
+def test_cuda_device_is_refused_before_communicating() -> None:
+    from wagma_comm.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="--device"):
+        _bench(["allreduce", "--device", "cuda"])

@@ -1,0 +1,156 @@
+"""The ``--vs`` peers of ``wagma bench`` (wagma_comm.bench.peers) compute the
+collective they stand for, in place on the caller's NumPy buffer.
+
+Size-agnostic (1, 2, 3, 4, 8 ranks). Every rank builds every rank's input from
+a shared seed, so each knows the exact expected result. Inputs are small
+integers of both signs (exact in every dtype, bfloat16 included), so sums and
+maxima are exact, only avg rounds, and integer avg must floor (not truncate).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from wagma_comm import groups
+from wagma_comm.bench.peers import HOST_PEERS, Peer, close_peers, make_peers, parse_vs
+from wagma_comm.errors import InvalidArgumentError
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+TIMEOUT_S = 60.0  # a hung peer collective fails the test within a minute
+NUMPY = {"float32": np.float32, "float64": np.float64, "int32": np.int32,
+         "bfloat16": ml_dtypes.bfloat16}
+COUNT = 1031  # odd: no algorithm gets an evenly divisible buffer by accident
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[dict[str, Peer]]:
+    made = make_peers(",".join(HOST_PEERS), WORLD, timeout=TIMEOUT_S)
+    yield {p.name: p for p in made}
+    close_peers(made)
+
+
+def inputs(rank: int, name: str, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    return rng.integers(-12, 20, COUNT).astype(NUMPY[name])
+
+
+def reference(ranks: list[int], name: str, op: str, seed: int) -> np.ndarray:
+    stack = np.stack([inputs(r, name, seed).astype(np.float64) for r in ranks])
+    if op == "sum":
+        return stack.sum(0)
+    if op == "max":
+        return stack.max(0)
+    avg = stack.sum(0) / len(ranks)
+    return np.floor(avg) if name == "int32" else avg
+
+
+def check(arr: np.ndarray, ranks: list[int], name: str, op: str, seed: int) -> None:
+    expected = reference(ranks, name, op, seed)
+    got = arr.astype(np.float64)
+    if name == "int32" or op != "avg":
+        np.testing.assert_array_equal(got, expected)
+    else:  # gloo averages bfloat16 in bfloat16: sum exact here, one rounding in the divide
+        rtol = {"bfloat16": 2.0**-7, "float32": 2.0**-22, "float64": 2.0**-50}[name]
+        np.testing.assert_allclose(got, expected, rtol=rtol)
+
+
+def supported(peer: str, name: str) -> bool:
+    return not (peer.startswith("mpi") and name == "bfloat16")
+
+
+@pytest.mark.parametrize("peer", HOST_PEERS)
+@pytest.mark.parametrize("name", list(NUMPY))
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_allreduce_in_place(peers: dict[str, Peer], peer: str, name: str, op: str) -> None:
+    arr = inputs(RANK, name, seed=3)
+    call = peers[peer].allreduce(arr, op)
+    if not supported(peer, name):
+        assert call is None
+        assert "bfloat16" in (peers[peer].why_not(arr, op) or "")
+        return
+    assert call is not None and peers[peer].why_not(arr, op) is None
+    call()
+    check(arr, list(range(SIZE)), name, op, seed=3)
+    # The callable is timed many times: it must redo the work on fresh data.
+    arr[:] = inputs(RANK, name, seed=4)
+    call()
+    check(arr, list(range(SIZE)), name, op, seed=4)
+
+
+@pytest.mark.parametrize("peer", HOST_PEERS)
+@pytest.mark.parametrize("name", list(NUMPY))
+def test_broadcast_in_place(peers: dict[str, Peer], peer: str, name: str) -> None:
+    root = SIZE - 1
+    arr = inputs(RANK, name, seed=5)
+    call = peers[peer].broadcast(arr, root)
+    assert call is not None
+    call()
+    np.testing.assert_array_equal(arr, inputs(root, name, seed=5))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="groups of 2 need 2 ranks")
+@pytest.mark.parametrize("peer", HOST_PEERS)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_group_allreduce_pairs(peers: dict[str, Peer], peer: str, op: str) -> None:
+    # Two different partitions (at 3 ranks: {0,2},{1} then {0,1},{2}): a cache
+    # that ignored the partition would reduce over the wrong group.
+    for step in range(groups.num_steps(SIZE, 2)):
+        partition = groups.partition(SIZE, 2, step)
+        mine = list(groups.group_of(RANK, SIZE, 2, step))
+        arr = inputs(RANK, "float32", seed=6 + step)
+        call = peers[peer].group_allreduce(arr, op, mine, partition)
+        assert call is not None
+        call()
+        check(arr, mine, "float32", op, seed=6 + step)
+
+
+def test_group_allreduce_rejects_a_wrong_group(peers: dict[str, Peer]) -> None:
+    partition = [list(range(SIZE))]
+    arr = inputs(RANK, "float32", seed=7)
+    with pytest.raises(InvalidArgumentError) as err:
+        peers["mpi"].group_allreduce(arr, "sum", [RANK, SIZE], partition)
+    assert err.value.argument == "ranks"
+
+
+def test_unsupported_dtype_is_none_not_converted(peers: dict[str, Peer]) -> None:
+    arr = np.ones(8, np.float16)
+    assert peers["mpi"].allreduce(arr, "sum") is None
+    assert "float16" in (peers["mpi"].why_not(arr, "sum") or "")
+    assert peers["gloo"].allreduce(arr, "sum") is not None
+
+
+def test_parse_vs() -> None:
+    assert parse_vs("mpi, gloo,mpi") == ["mpi", "gloo"]
+    assert parse_vs("none") == []
+    assert parse_vs(["nccl"]) == ["nccl"]
+
+
+@pytest.mark.parametrize("text", ["mpi,glo", "openmpi", "mpi,,horovod"])
+def test_unknown_names_rejected(text: str) -> None:
+    with pytest.raises(InvalidArgumentError) as err:
+        make_peers(text, WORLD)
+    assert err.value.argument == "--vs"
+    assert "unknown peer" in str(err.value)
+
+
+def test_nccl_without_gpu_says_why() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the nccl peer would start")
+    (nccl,) = make_peers("nccl", WORLD)
+    arr = np.ones(4, np.float32)
+    assert nccl.reason is not None and "CUDA" in nccl.reason
+    assert nccl.allreduce(arr, "sum") is None
+    assert nccl.broadcast(arr, 0) is None
+    nccl.close()
+
+
+def test_versions(peers: dict[str, Peer]) -> None:
+    assert "MPI" in peers["mpi"].version() or "MPICH" in peers["mpi"].version()
+    assert peers["gloo"].version().startswith("torch ")
