@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# CPU PyTorch first (a local wheel here), so nothing pulls a CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[mpich,test,bench]"
+	$(PY) -m pip install -q -e ".[mpich,test,bench,demo,jax]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,8 +36,10 @@ test-mpi: $(STAMP)
 	  timeout $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py -q; \
 	done
 
+# The training demo: WAGMA-SGD and the baselines on a digits classifier under
+# load imbalance (docs/training.md). Options: make demo DEMO_ARGS="--seeds 1".
 demo: $(STAMP)
-	$(MPIEXEC) -n $(DEMO_RANKS) $(VENV)/bin/wagma bench --vs mpi
+	$(MPIEXEC) -n $(DEMO_RANKS) $(VENV)/bin/wagma demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(MPIEXEC) -n 8 $(VENV)/bin/wagma bench --vs mpi --json bench/results/host-8.json

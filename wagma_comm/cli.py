@@ -1,6 +1,7 @@
 """The ``wagma`` command: ``wagma schedule`` prints compiled schedules,
 ``wagma bench`` runs the collective benchmark and ``wagma imbalance`` the
-throughput-under-stragglers benchmark (both under mpiexec)."""
+throughput-under-stragglers benchmark (both under mpiexec); ``wagma demo`` trains
+a classifier with WAGMA-SGD and its baselines."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from . import demo as demo_cli
     from .bench import cli as bench_cli
     from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
@@ -21,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_cli.add_parser(sub)
     bench_cli.add_parser(sub)
     imbalance_cli.add_parser(sub)
+    demo_cli.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import demo as demo_cli
     from .bench import cli as bench_cli
     from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
@@ -34,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     commands = {"schedule": schedule_cli.run, "bench": bench_cli.run,
-                "imbalance": imbalance_cli.run}
+                "imbalance": imbalance_cli.run, "demo": demo_cli.run}
     return int(commands[args.command](args) or 0)
 
 

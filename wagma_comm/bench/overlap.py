@@ -20,8 +20,9 @@ too (``compute_in_overlap_us``).
 Implementations: wagma_comm's ``comm.allreduce(buf, op, async_op=True)`` +
 ``handle.wait()``, and mpi4py's ``Iallreduce`` + ``Wait`` on a ``Dup()`` of the
 world communicator, on the same buffer, measured side by side in alternating
-rounds as in :mod:`wagma_comm.bench.measure`: per rank the median over rounds,
-then the mean, min and max over ranks.
+rounds as in :mod:`wagma_comm.bench.measure`: per rank the median over rounds
+(for the overlap, the median of each round's overlap), then the mean, min and
+max over ranks.
 
 Compute kinds:
 
@@ -33,6 +34,9 @@ Compute kinds:
   thread then only runs when the interpreter switches threads (every
   ``sys.getswitchinterval()``, 5 ms by default): what overlap is left when the
   application's compute is Python.
+* ``sleep``: the thread sleeps (no CPU, no GIL): compute offloaded to an
+  accelerator, or a node with cores to spare. The ceiling of what background
+  progress can hide when the collective does not compete for the CPU.
 
 Run it under mpiexec: ``mpiexec -n 8 python -m wagma_comm.bench.overlap``.
 """
@@ -51,7 +55,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .measure import Timing, iterations_for
 
-COMPUTE_KINDS = ("numpy", "python")
+COMPUTE_KINDS = ("numpy", "python", "sleep")
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
 # Adaptive iterations: the calibration pass moves about CALIBRATION_BYTES; each
 # timed phase then runs about PHASE_BUDGET_S (bounded by MIN/MAX_ITERS), so a
@@ -66,6 +70,7 @@ CALIBRATE_MIN_S = 0.2
 _MATRIX = 64  # one OpenBLAS thread up to 64^3 multiply-adds per product
 _BATCH = 8  # products per NumPy call: one GIL-free stretch of ~50-100 us
 _PY_STEPS = 1000  # loop steps per pure-Python chunk (~40 us, GIL held)
+_SLEEP_CHUNK_S = 5e-4  # one sleep; calibration measures the real length
 
 
 def overlap_percent(overall: float, compute: float, pure: float) -> float:
@@ -101,6 +106,8 @@ class Compute:
         """One unit of compute (tens of microseconds)."""
         if self.kind == "numpy":
             np.matmul(self._a, self._b, out=self._out)  # GIL released inside
+        elif self.kind == "sleep":
+            time.sleep(_SLEEP_CHUNK_S)
         else:
             x = 1.0
             for _ in range(_PY_STEPS):
@@ -152,7 +159,7 @@ class RoundTimes:
 @dataclass
 class OverlapResult:
     """Per rank the median over rounds, then mean/min/max over ranks
-    (seconds; ``overlap`` in percent, computed per rank from its medians)."""
+    (seconds; ``overlap`` in percent, per round then its median per rank)."""
 
     overall: Timing
     compute: Timing
@@ -195,10 +202,14 @@ def time_overlap_round(post: Callable[[], Any], wait: Callable[[Any], Any],
 
 
 def summarize(rounds: Sequence[RoundTimes], world: Any) -> OverlapResult:
-    """Median over this rank's rounds, then mean/min/max over ranks. Collective."""
+    """Median over this rank's rounds (overlap: median of the rounds'
+    overlaps), then mean/min/max over ranks. Collective."""
     med = {f: statistics.median(getattr(r, f) for r in rounds)
            for f in ("pure", "overall", "compute", "compute_in_overlap", "post")}
-    med["overlap"] = overlap_percent(med["overall"], med["compute"], med["pure"])
+    # Overlap per round, then the median: the three times of one round are
+    # measured seconds apart, so a shared machine's drifting load cancels out.
+    med["overlap"] = statistics.median(overlap_percent(r.overall, r.compute, r.pure)
+                                       for r in rounds)
     everyone = world.allgather(med)
     out = {}
     for f in med:
@@ -213,13 +224,13 @@ def measure_overlap(post: Callable[[], Any], wait: Callable[[Any], Any],
     """Overlap of one implementation: ``post()`` starts the collective and
     returns what ``wait`` completes; ``compute()`` runs about one pure
     communication time. Collective over ``world`` (mpi4py communicator)."""
-    _check_positive("iters", iters)
-    _check_positive("rounds", rounds)
+    _check_int("iters", iters)
+    _check_int("rounds", rounds)
     return summarize([time_overlap_round(post, wait, compute, iters, world)
                       for _ in range(rounds)], world)
 
 
-def _check_positive(argument: str, value: Any, minimum: int = 1) -> int:
+def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(argument, f"expected an int >= {minimum}, got {value!r}")
     return value
@@ -259,10 +270,10 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
     ``comm``: a wagma_comm Communicator over ``world`` (an mpi4py communicator,
     used for barriers, the timing reductions and, via ``Dup()``, MPI's own
     Iallreduce). ``sizes`` in bytes; ``iters`` per phase and round (0: adaptive,
-    about PHASE_BUDGET_S per phase; a fixed ``iters`` also shortens the
-    compute calibration, for tests);
-    ``warmup`` post+wait calls per implementation before calibrating; ``rounds``
-    alternating rounds (median kept); ``compute`` in COMPUTE_KINDS; ``check``:
+    about PHASE_BUDGET_S per phase; a fixed ``iters`` also shortens the compute
+    calibration, for tests); ``warmup`` post+wait calls per implementation
+    before calibrating; ``rounds`` alternating rounds (median kept);
+    ``compute`` in COMPUTE_KINDS; ``check``:
     verify one overlapped call of each implementation (``wrong`` = elements
     wrong over all ranks, -1 if not checked); ``mpi``: include MPI_Iallreduce
     (skipped anyway for ops or dtypes MPI cannot reduce, e.g. avg, bfloat16).
@@ -286,10 +297,10 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
         raise InvalidArgumentError("sizes", f"expected a non-empty list of byte counts, "
                                    f"got {sizes!r}")
     for nb in sizes:
-        _check_positive("sizes", nb, dt.itemsize)
-    _check_positive("iters", iters, 0)
-    _check_positive("warmup", warmup, 0)
-    _check_positive("rounds", rounds)
+        _check_int("sizes", nb, dt.itemsize)
+    _check_int("iters", iters, 0)
+    _check_int("warmup", warmup, 0)
+    _check_int("rounds", rounds)
     kernel = Compute(compute)
     if comm.size != world.Get_size():
         raise InvalidArgumentError("world", f"has {world.Get_size()} ranks, comm has "
@@ -427,7 +438,8 @@ def add_arguments(parser: argparse.ArgumentParser, common: bool = True) -> None:
                             help="alternating rounds per implementation (median is kept)")
         parser.add_argument("--json", default=None, help="write rows as JSON (rank 0)")
     parser.add_argument("--compute", default="numpy", choices=COMPUTE_KINDS,
-                        help="numpy: GIL-free matmuls (default); python: a GIL-holding loop")
+                        help="numpy: GIL-free matmuls (default); python: a GIL-holding "
+                             "loop; sleep: no CPU (compute on an accelerator)")
     parser.add_argument("--no-mpi", action="store_true", help="skip MPI_Iallreduce")
 
 

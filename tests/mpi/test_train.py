@@ -1,0 +1,365 @@
+"""Training integration under a real MPI job (any number of ranks).
+
+* the set-up check names a parameter that differs between ranks, and the ranks;
+* the PyTorch wrapper's update equals a hand-computed WAGMA-SGD step;
+* WAGMA's sync rounds leave every replica's averaged model bitwise identical;
+* every method converges on a small regression problem;
+* checkpoint/resume continues exactly the uninterrupted trajectory;
+* the NumPy example and the demo run end to end (the JAX example is run by
+  tests/unit/test_train_examples.py: importing JAX on every rank is slow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import os
+import tempfile
+from types import ModuleType
+from typing import Any, Iterator
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from wagma_comm import Communicator, InvalidArgumentError
+from wagma_comm.runtime.activation import group_step
+from wagma_comm.train import (
+    METHODS,
+    Averager,
+    DistributedOptimizer,
+    ParameterMismatchError,
+    default_group_size,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+LAST = SIZE - 1
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+torch.set_num_threads(1)
+
+
+def _digest(arrays: Any) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().numpy().copy()
+
+
+def _gather_rows(comm: Communicator, row: np.ndarray) -> np.ndarray:
+    """Every rank's ``row`` through the communicator under test (zeros elsewhere
+    make the sum exact)."""
+    table = np.zeros((SIZE, row.size), dtype=row.dtype)
+    table[RANK] = row
+    comm.allreduce(table, "sum")
+    return table
+
+
+@pytest.fixture
+def rank_dir() -> Iterator[str]:
+    """A private directory per rank (pytest's tmp_path base is shared by all
+    ranks of the job, whose clean-ups then race)."""
+    with tempfile.TemporaryDirectory(prefix=f"wagma-train-r{RANK}-") as d:
+        yield d
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
+                                                                     f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- set-up check -------------------------------------------------------------------
+
+
+def _mlp(out_features: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(),
+                               torch.nn.Linear(3, out_features))
+
+
+def test_shape_mismatch_names_the_parameter_and_the_rank(comm: Communicator) -> None:
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    model = _mlp(3 if RANK == LAST else 2)  # parameter 2 ('2.weight') differs on LAST
+    with pytest.raises(ParameterMismatchError) as err:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "allreduce",
+                             model=model)
+    e = err.value
+    assert e.argument == "params" and e.index == 2
+    assert "parameter 2 ('2.weight')" in str(e)
+    assert "shape (3, 3) float32" in str(e) and "shape (2, 3) float32" in str(e)
+    assert e.ranks == ((LAST,) if SIZE > 2 else e.ranks) and len(e.ranks) == 1
+    comm.barrier()  # the communicator is still usable
+
+
+def test_count_and_dtype_mismatches_are_named(comm: Communicator) -> None:
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    params = [np.zeros(3, np.float32), np.zeros((2, 2), np.float32)]
+    if RANK == LAST:
+        params.append(np.zeros(5, np.float32))
+    with pytest.raises(ParameterMismatchError) as err:
+        Averager(comm, params, "allreduce", names=["a", "b", "c"][:len(params)])
+    assert err.value.index == 2 and "different numbers of parameters" in str(err.value)
+    assert f"rank {LAST}: 3" in str(err.value)
+    params = [np.zeros(3, np.float32),
+              np.zeros((2, 2), ml_dtypes.bfloat16 if RANK == LAST else np.float32)]
+    with pytest.raises(ParameterMismatchError) as err:
+        Averager(comm, params, "wagma", names=["a", "b"])
+    assert err.value.index == 1 and "parameter 1 ('b')" in str(err.value)
+    assert "bfloat16" in str(err.value) and "float32" in str(err.value)
+
+
+def test_initial_weights_come_from_rank_0(comm: Communicator) -> None:
+    torch.manual_seed(100 + RANK)
+    model = _mlp(2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "local_sgd",
+                               model=model)
+    rows = _gather_rows(comm, _flat(model))
+    torch.manual_seed(100)
+    assert np.array_equal(rows[RANK], _flat(_mlp(2)))  # rank 0's initialisation
+    assert all(np.array_equal(r, rows[0]) for r in rows)
+    opt.close()
+
+
+# -- the WAGMA step, by hand ------------------------------------------------------------
+
+
+def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator) -> None:
+    """Iteration t on rank i (ALGORITHMS.md s. 2): g = grad at the pre-averaging
+    w_i; W = (sum of the group's published models + w_i) / (S + 1), or the global
+    mean in a sync round; v = m v + g; w = W - lr v. A member's published model
+    is its current one if it was fresh in the round, else the one it published
+    the iteration before (a barrier per iteration guarantees that) -- or the
+    synchronized mean right after a sync round, or the initial model at t=0."""
+    lr, m, tau = 0.1, 0.9, 3
+    S = default_group_size(SIZE)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=m), comm,
+                               "wagma", model=model, group_size=S, sync_every=tau)
+    g = torch.Generator().manual_seed(RANK)
+    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+    published = np.tile(_flat(model).astype(np.float64), (SIZE, 1))  # the initial model
+    v = None
+    for t in range(2 * tau + 2):
+        comm.barrier()
+        pre = _gather_rows(comm, _flat(model)).astype(np.float64)
+        opt.zero_grad()
+        F.mse_loss(model(x + t), y).backward()
+        grad = np.concatenate([p.grad.detach().numpy().ravel() for p in model.parameters()])
+        opt.step()
+        info = opt.last_info
+        assert info is not None and info.iteration == t and len(info.rounds) == 1
+        rnd = info.rounds[0]
+        assert rnd.round == t
+        if info.synchronized:
+            assert (t + 1) % tau == 0
+            avg = pre.mean(0)
+        else:
+            members = comm.group_of(S, group_step(t, tau))
+            assert list(rnd.group) == members and RANK in members
+            parts = [pre[j] if j in rnd.fresh else published[j] for j in members]
+            avg = (np.sum(parts, axis=0) + pre[RANK]) / (len(members) + 1)
+        published = np.tile(avg, (SIZE, 1)) if info.synchronized else pre
+        v = grad if v is None else m * v + grad
+        expected = avg - lr * v
+        np.testing.assert_allclose(_flat(model), expected, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_sync_rounds_leave_replicas_bitwise_identical(comm: Communicator) -> None:
+    """Two dtype buckets (float32, bfloat16) that drift apart by rank-specific
+    updates between sync rounds; after each sync round every rank holds
+    exactly the same bytes, and no group round makes them so by accident
+    (they differ again right after)."""
+    rng = np.random.default_rng(RANK)
+    params = [np.ones((4, 5), np.float32), np.ones(7, ml_dtypes.bfloat16),
+              np.ones(3, np.float32)]
+    tau = 4
+    avg = Averager(comm, params, "wagma", names=["w", "h", "b"], sync_every=tau)
+    synced, differed = 0, 0
+    for t in range(3 * tau):
+        for p in params:
+            p += rng.normal(0, 0.1, p.shape).astype(p.dtype)  # this rank's "update"
+        info = avg.average(params).info
+        digests = WORLD.allgather(_digest(params))
+        if info is not None and info.synchronized:
+            synced += 1
+            assert len(set(digests)) == 1, f"replicas differ after sync round {t}"
+        else:
+            differed += len(set(digests)) > 1
+    assert synced == 3
+    assert differed == (3 * tau - 3 if SIZE > 1 else 0)  # the check can tell them apart
+    final = avg.finalize(params)
+    assert final.params[0] is params[0]
+    assert len(set(WORLD.allgather(_digest(params)))) == 1
+    avg.close()
+
+
+# -- convergence --------------------------------------------------------------------
+
+
+def _regression(comm: Communicator, method: str, steps: int,
+                **knobs: Any) -> tuple[float, float, torch.nn.Module]:
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(256, 4, generator=g)
+    Y = X @ torch.randn(4, 1, generator=g) + 0.5
+    torch.manual_seed(1)
+    model = torch.nn.Linear(4, 1)
+    with torch.no_grad():
+        initial = F.mse_loss(model(X), Y).item()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5),
+                               comm, method, model=model, **knobs)
+    xs, ys = X[RANK::SIZE], Y[RANK::SIZE]
+    for t in range(steps):
+        i = (4 * t) % max(1, len(xs) - 4)
+        opt.zero_grad()
+        F.mse_loss(model(xs[i:i + 4]), ys[i:i + 4]).backward()
+        opt.step()
+    opt.finalize()
+    opt.close()
+    with torch.no_grad():
+        return initial, F.mse_loss(model(X), Y).item(), model
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_converges_and_replicas_agree_at_the_end(comm: Communicator,
+                                                               method: str) -> None:
+    initial, final, model = _regression(comm, method, 80, sync_every=5)
+    assert final < 0.01 * initial, f"{method}: loss {initial:.3f} -> {final:.5f}"
+    assert len(set(WORLD.allgather(_digest([_flat(model)])))) == 1
+
+
+# -- checkpoint / resume -----------------------------------------------------------------
+
+RESUMABLE = [("allreduce", {}), ("local_sgd", {"sync_every": 3}), ("dpsgd", {}),
+             ("sgp", {}), ("wagma", {"group_size": 1, "sync_every": 3, "activation": "group"})]
+
+
+def _trajectory(comm: Communicator, method: str, knobs: dict[str, Any], steps: range,
+                model: torch.nn.Module, opt: DistributedOptimizer) -> list[np.ndarray]:
+    g = torch.Generator().manual_seed(RANK)
+    data = [(torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g))
+            for _ in range(20)]
+    out = []
+    for t in steps:
+        x, y = data[t]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        out.append(_flat(model))
+    return out
+
+
+def _fresh(comm: Communicator, method: str, knobs: dict[str, Any],
+           seed: int) -> tuple[torch.nn.Module, DistributedOptimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               comm, method, model=model, **knobs)
+    return model, opt
+
+
+@pytest.mark.parametrize("method,knobs", RESUMABLE, ids=[m for m, _ in RESUMABLE])
+def test_resume_continues_the_uninterrupted_trajectory(comm: Communicator, rank_dir: str,
+                                                       method: str,
+                                                       knobs: dict[str, Any]) -> None:
+    model, opt = _fresh(comm, method, knobs, 0)
+    whole = _trajectory(comm, method, knobs, range(10), model, opt)
+    opt.close()
+    model, opt = _fresh(comm, method, knobs, 0)
+    first = _trajectory(comm, method, knobs, range(6), model, opt)
+    path = os.path.join(rank_dir, "ckpt-{rank}.pt")
+    save_checkpoint(path, model, opt, extra={"epoch": 1})
+    opt.close()
+    model, opt = _fresh(comm, method, knobs, 99)  # other weights: the checkpoint wins
+    assert load_checkpoint(path, model, opt) == {"epoch": 1}
+    assert opt.iteration == 6
+    rest = _trajectory(comm, method, knobs, range(6, 10), model, opt)
+    opt.close()
+    for t, (a, b) in enumerate(zip(whole, first + rest)):
+        assert np.array_equal(a, b), f"{method}: iteration {t} differs after resume"
+
+
+def test_checkpoint_refuses_what_cannot_resume_exactly(comm: Communicator,
+                                                       rank_dir: str) -> None:
+    model, opt = _fresh(comm, "wagma", {"sync_every": 3}, 0)
+    _trajectory(comm, "wagma", {}, range(2), model, opt)
+    with pytest.raises(InvalidArgumentError, match="multiple of sync_every=3"):
+        opt.state_dict()
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        save_checkpoint(os.path.join(rank_dir, "shared.pt"), model, opt)  # replicas differ
+    _trajectory(comm, "wagma", {}, range(2, 3), model, opt)
+    state = opt.state_dict()
+    assert state["iteration"] == 3 and state["method"] == "wagma"
+    with pytest.raises(InvalidArgumentError, match="method"):
+        state2 = dict(state, method="dpsgd")
+        opt.load_state_dict(state2)
+    opt.close()
+
+
+def test_gradient_accumulation_with_overlap_is_refused(comm: Communicator) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "allreduce",
+                               model=model)
+    x = torch.ones(1, 2)
+    model(x).sum().backward()  # completes every gradient: the averaging starts
+    with pytest.raises(InvalidArgumentError, match="overlap=False"):
+        model(x).sum().backward()
+    opt.step()  # finishes the started averaging on every rank
+    opt.close()
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "allreduce",
+                               model=model, overlap=False)
+    model(x).sum().backward()
+    model(x).sum().backward()
+    opt.step()
+    assert torch.allclose(model.bias.grad, torch.full((1,), 2.0))  # both passes averaged
+    opt.close()
+
+
+# -- examples and the demo ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["wagma", "solo", "dpsgd"])
+def test_numpy_example_trains(comm: Communicator, method: str) -> None:
+    acc = _load("numpy_example").main(comm, method, steps=60, sync_every=5)
+    assert acc > 0.8  # 4 separable-ish blobs; chance is 0.25
+    assert len(set(WORLD.allgather(round(acc, 6)))) == 1  # finalize: one model
+
+
+def test_demo_runs_end_to_end_at_a_tiny_size(comm: Communicator, rank_dir: str) -> None:
+    pytest.importorskip("sklearn")
+    from wagma_comm import demo
+
+    parser = demo.argparse.ArgumentParser()
+    demo.add_parser(parser.add_subparsers())
+    plot = os.path.join(rank_dir, "acc.png")
+    opts = parser.parse_args(["demo", "--seeds", "1", "--epochs", "1", "--compute", "0",
+                              "--imbalance", "reference:0.001:2", "--sync-every", "3",
+                              "--target", "0.5", "--plot", plot, "--quiet"])
+    out = io.StringIO()
+    result = demo.run_demo(comm, opts, out=out)
+    if RANK == 0:
+        rows = {r["method"]: r for r in result["rows"]}
+        assert list(rows) == list(demo.DEFAULT_METHODS)
+        for r in rows.values():
+            assert 0.3 < r["final_accuracy"] <= 1.0 and r["iterations_per_s"] > 0
+        text = out.getvalue()
+        assert "| wagma |" in text and "time to 50%" in text and "accuracy: wagma" in text
+        assert os.path.getsize(plot) > 10_000

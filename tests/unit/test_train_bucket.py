@@ -1,0 +1,145 @@
+"""The flat bucket and the DLPack intake of the training layer (no MPI)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from wagma_comm import BufferError, InvalidArgumentError
+from wagma_comm.train import FlatBucket, TensorSpec, host_view
+from wagma_comm.train.pytorch import TorchBucket
+from wagma_comm.train.specs import _signature, describe_layout, layout
+
+
+def test_one_flat_buffer_per_dtype_in_list_order() -> None:
+    tensors = [np.arange(6, dtype=np.float32).reshape(2, 3),
+               torch.arange(3, dtype=torch.bfloat16),
+               torch.full((2, 2), 7.0),
+               np.ones(1, ml_dtypes.bfloat16)]
+    b = FlatBucket(tensors, ["a", "b", "c", "d"])
+    assert [s.dtype for s in b.specs] == ["float32", "bfloat16", "float32", "bfloat16"]
+    assert [(s.offset, s.count) for s in b.specs] == [(0, 6), (0, 3), (6, 4), (3, 1)]
+    assert list(b.flats) == ["float32", "bfloat16"]
+    b.pack(tensors)
+    assert b.flats["float32"].tolist() == [0, 1, 2, 3, 4, 5, 7, 7, 7, 7]
+    assert b.flats["bfloat16"].astype(np.float32).tolist() == [0, 1, 2, 1]
+    assert describe_layout(b.specs) == "4 tensors, 2 buckets: float32 x 10, bfloat16 x 4"
+
+
+def test_unpack_writes_in_place_and_views_have_the_tensor_shapes() -> None:
+    w = torch.nn.Parameter(torch.zeros(2, 3))  # requires grad: detached for DLPack
+    h = torch.zeros(4, dtype=torch.bfloat16)
+    a = np.zeros(5, np.float64)
+    b = FlatBucket([w, h, a])
+    for flat in b.buffers():
+        flat[...] = 2.5
+    b.unpack([w, h, a])
+    assert bool((w == 2.5).all()) and bool((h == 2.5).all()) and (a == 2.5).all()
+    assert [v.shape for v in b.views()] == [(2, 3), (4,), (5,)]
+    copies = b.copies()
+    copies[0][...] = 0
+    assert b.views()[0][0, 0] == 2.5  # copies are not views
+
+
+def test_none_packs_as_zeros() -> None:
+    b = FlatBucket([np.ones(3, np.float32), np.ones(2, np.float32)])
+    b.flats["float32"][...] = 9
+    b.pack([None, np.full(2, 4, np.float32)])
+    assert b.flats["float32"].tolist() == [0, 0, 0, 4, 4]
+
+
+def test_layout_is_checked_on_every_pack_and_names_the_parameter() -> None:
+    b = FlatBucket([np.zeros((2, 3), np.float32), np.zeros(4, np.float32)], ["w", "b"])
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\]: parameter 0 \('w'\) was set "
+                       r"up as shape \(2, 3\) float32, got shape \(3, 2\) float32"):
+        b.pack([np.zeros((3, 2), np.float32), np.zeros(4, np.float32)])
+    with pytest.raises(InvalidArgumentError, match=r"params\[1\].*float64"):
+        b.pack([np.zeros((2, 3), np.float32), np.zeros(4, np.float64)])
+    with pytest.raises(InvalidArgumentError, match="expected 2 tensors"):
+        b.unpack([np.zeros((2, 3), np.float32)])
+
+
+def test_bad_tensors_are_refused_naming_the_argument() -> None:
+    with pytest.raises(InvalidArgumentError, match="at least one tensor"):
+        FlatBucket([])
+    with pytest.raises(InvalidArgumentError, match="sequence of tensors"):
+        FlatBucket(np.zeros(3))  # type: ignore[arg-type] - an array, not a list of them
+    with pytest.raises(BufferError, match=r"params\[1\].*C-contiguous"):
+        FlatBucket([np.zeros(2), torch.zeros(3, 3).t()])
+    with pytest.raises(BufferError, match=r"params\[0\].*DLPack"):
+        FlatBucket([[1.0, 2.0]])
+    with pytest.raises(BufferError, match="unsupported dtype"):
+        FlatBucket([np.zeros(2, np.complex64)])
+    with pytest.raises(InvalidArgumentError, match="names"):
+        FlatBucket([np.zeros(2)], ["a", "b"])
+
+
+def test_read_only_tensors_are_read_but_never_written() -> None:
+    ro = np.ones(3, np.float32)
+    ro.flags.writeable = False
+    b = FlatBucket([ro])
+    b.pack([ro])
+    with pytest.raises(BufferError, match="read-only"):
+        b.unpack([ro])
+    assert host_view(ro, "x", writable=False).tolist() == [1, 1, 1]
+
+
+def test_jax_arrays_are_read_through_dlpack_and_never_written() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    b = FlatBucket([x])
+    b.pack([x])
+    assert b.flats["float32"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(BufferError, match="read-only"):
+        b.unpack([x])  # JAX arrays are immutable
+
+
+def test_torch_bucket_round_trip_on_cpu() -> None:
+    params = [torch.randn(3, 2), torch.randn(4, dtype=torch.bfloat16), torch.randn(5)]
+    specs = layout([tuple(p.shape) for p in params], ["float32", "bfloat16", "float32"],
+                   [None] * 3)
+    tb = TorchBucket(specs, torch.device("cpu"))
+    tb.pack(params)
+    bufs = tb.buffers()
+    assert [b.dtype for b in bufs] == [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)]
+    assert np.array_equal(bufs[0][:6], params[0].numpy().ravel())
+    out = [torch.zeros_like(p) for p in params]
+    bufs[1][...] = 3
+    tb.unpack(out)
+    assert torch.equal(out[0], params[0]) and bool((out[1] == 3).all())
+    grads_of = [torch.nn.Parameter(torch.zeros_like(p)) for p in params]
+    tb.unpack_grads(grads_of)
+    assert torch.equal(grads_of[2].grad, params[2])
+
+
+def test_signature_depends_on_shape_and_dtype_only() -> None:
+    def spec(shape: tuple[int, ...], dtype: str, name: str | None) -> TensorSpec:
+        return TensorSpec(0, name, shape, dtype, 0, int(np.prod(shape)))
+    a = _signature(spec((2, 3), "float32", "a"))
+    assert a == _signature(spec((2, 3), "float32", "other name"))
+    assert a != _signature(spec((3, 2), "float32", "a"))
+    assert a != _signature(spec((2, 3), "bfloat16", "a"))
+    assert a != _signature(spec((2, 3, 1), "float32", "a"))
+    assert 0 <= a < 2**62
+
+
+def test_device_staging_copies_through_torch_views() -> None:
+    """The CUDA path's copies (torch.from_dlpack view <-> host bucket), run on
+    CPU tensors: no GPU here, the copy logic and dtypes are what is checked."""
+    from wagma_comm.train.bucket import DeviceView
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        src = torch.arange(6, dtype=dtype).reshape(2, 3)
+        view = DeviceView(src, "params[0]", writable=True)
+        assert view.size == 6 and view.dtype == str(dtype).split(".")[1]
+        host = np.zeros(6, dtype=np.float32 if dtype == torch.float32 else
+                        (ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16))
+        view.read_into(host)
+        assert host.astype(np.float32).tolist() == [0, 1, 2, 3, 4, 5]
+        host[...] = 9
+        view.write_from(host)
+        assert bool((src == 9).all())
+    with pytest.raises(BufferError, match="C-contiguous"):
+        DeviceView(torch.zeros(3, 2).t(), "params[1]", writable=False)

@@ -1,0 +1,175 @@
+"""The framework-agnostic training layer: one iteration's averaging of a list of
+tensors, whatever framework they come from (through DLPack).
+
+::
+
+    avg = Averager(comm, params, "wagma", group_size=4, sync_every=10)
+    for t in range(steps):
+        grads = gradient(params)              # at the pre-averaging weights
+        avg.average(params, grads)            # model methods: params <- group mean
+        for w, g in zip(params, grads):       # gradient methods: grads <- mean
+            w -= lr * g                       # the optimizer step
+    avg.finalize(params); avg.close()
+
+NumPy arrays and PyTorch CPU tensors are updated in place. Immutable arrays
+(JAX) are only read: pass ``copy=True`` and use the returned arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BufferError, InvalidArgumentError
+from .bucket import FlatBucket
+from .methods import MODEL, AveragingInfo, Method, make_method
+from .methods.base import check_int
+from .specs import check_consistent
+from .stats import WaitStats
+
+__all__ = ["Averager", "Averaged"]
+
+
+@dataclass(frozen=True)
+class Averaged:
+    """What :meth:`Averager.average` / :meth:`Averager.finalize` return.
+
+    ``params``/``grads``: the tensors to use from now on (the caller's own
+    objects when updated in place, fresh NumPy arrays with ``copy=True``).
+    ``apply``: after :meth:`Averager.finalize` of a gradient method, whether
+    ``grads`` hold a leftover averaged gradient the caller should apply.
+    """
+
+    info: AveragingInfo | None
+    params: list[Any]
+    grads: list[Any] | None
+    apply: bool = False
+
+
+class Averager:
+    """Averages a fixed list of tensors once per iteration with a method.
+
+    Collective to create: checks that every rank has the same tensors (count,
+    shapes, dtypes; :class:`~wagma_comm.train.ParameterMismatchError` names
+    the first difference), broadcasts rank 0's values (``broadcast=True``;
+    written into ``params`` when they are writable, else read them back with
+    :meth:`model`), and sets up the method. ``knobs`` go to
+    :func:`~wagma_comm.train.make_method` (group_size, sync_every, ...).
+    """
+
+    def __init__(self, comm: Any, params: Sequence[Any], method: str | Method = "wagma", *,
+                 names: Sequence[str | None] | None = None, broadcast: bool = True,
+                 first_iteration: int = 0, **knobs: Any) -> None:
+        self.method = make_method(method, **knobs)
+        self.comm = comm
+        self.iteration = check_int("first_iteration", first_iteration, 0)
+        self._model = FlatBucket(params, names, argument="params")
+        self._grads = FlatBucket(params, names, argument="grads")
+        check_consistent(comm, self._model.specs)
+        self._model.pack(params)
+        if broadcast:
+            for b in self._model.buffers():
+                comm.broadcast(b, root=0)
+            try:
+                self._model.unpack(params)
+            except BufferError:
+                pass  # immutable params: the caller takes model() instead
+        self._work = self._model if self.method.averages == MODEL else self._grads
+        self.stats = WaitStats()
+        self.method.setup(comm, self._work.buffers(), self.iteration)
+
+    @property
+    def specs(self) -> tuple[Any, ...]:
+        """The layout: one TensorSpec per tensor (index, name, shape, dtype, offset)."""
+        return self._model.specs
+
+    @property
+    def averages(self) -> str:
+        """``"model"`` or ``"gradients"``: which list the method changes."""
+        return self.method.averages
+
+    def model(self) -> list[np.ndarray]:
+        """Copies of the model as last packed (after construction: rank 0's)."""
+        return self._model.copies()
+
+    # -- one iteration --------------------------------------------------------------
+    def _target(self, params: Sequence[Any], grads: Sequence[Any] | None) -> Sequence[Any]:
+        if self.method.averages == MODEL:
+            return params
+        if grads is None:
+            raise InvalidArgumentError("grads", f"{self.method.name} averages gradients; "
+                                       "pass the gradients")
+        return grads
+
+    def start(self, params: Sequence[Any], grads: Sequence[Any] | None = None) -> None:
+        """Begin this iteration's averaging (packs what the method averages);
+        the inputs are read now and may change before :meth:`finish`."""
+        t = self.iteration
+        if self.method.communicates(t):
+            self._work.pack(self._target(params, grads))
+        self.method.start(t, self._work.buffers())
+
+    def finish(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
+               copy: bool = False) -> Averaged:
+        """Wait for the result and write it into ``params`` or ``grads`` (in place),
+        or with ``copy=True`` return it as new arrays, leaving the inputs alone."""
+        info = self.method.finish()
+        self.iteration += 1
+        self.stats.record(info)
+        return self._deliver(info, info.averaged is not None, params, grads, copy)
+
+    def average(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
+                copy: bool = False) -> Averaged:
+        """:meth:`start` then :meth:`finish`: one iteration's averaging."""
+        self.start(params, grads)
+        return self.finish(params, grads, copy=copy)
+
+    def _deliver(self, info: AveragingInfo | None, changed: bool, params: Sequence[Any],
+                 grads: Sequence[Any] | None, copy: bool, apply: bool = False) -> Averaged:
+        params = list(params)
+        grads = None if grads is None else list(grads)
+        if changed:
+            model = self.method.averages == MODEL
+            if copy:
+                out = self._work.copies()
+                params, grads = (out, grads) if model else (params, out)
+            else:
+                self._work.unpack(params if model else grads)  # type: ignore[arg-type]
+        return Averaged(info, params, grads, apply)
+
+    # -- end ------------------------------------------------------------------------
+    def finalize(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
+                 copy: bool = False) -> Averaged:
+        """Collective, after the last iteration. Model methods: every replica
+        becomes the global mean (bitwise identical). Gradient methods: what
+        missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
+        if self.method.averages == MODEL:
+            self._work.pack(params)
+            self.method.finalize(self._work.buffers())
+            return self._deliver(None, True, params, grads, copy)
+        if grads is None:
+            grads = self._grads.copies()  # only the shapes matter; contents are replaced
+            copy = True
+        leftover = self.method.finalize(self._work.buffers())
+        return self._deliver(None, leftover, params, grads, copy, apply=leftover)
+
+    def close(self) -> None:
+        """Collective: release the method's collectives (idempotent)."""
+        self.method.close()
+
+    def __enter__(self) -> "Averager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+    def statistics(self) -> dict[str, Any]:
+        """Iterations, waiting time, staleness, and the method's collective's own
+        telemetry (partial collectives: see docs/partial.md)."""
+        out = self.stats.as_dict()
+        out["method"] = self.method.describe()
+        out["collective"] = self.method.statistics()
+        return out

@@ -1,0 +1,151 @@
+"""Methods that average the model over groups: local SGD, WAGMA-SGD, and an
+AD-PSGD-style pairwise gossip built on the same wait-avoiding collective.
+
+All average the weights *before* the optimizer step, with the gradient taken at
+the pre-averaging weights (WAGMA-SGD's order, ALGORITHMS.md section 2), so the
+averaging can run during the backward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ... import groups as groups_mod
+from ...errors import InvalidArgumentError
+from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS
+from . import _resumable
+from .base import MODEL, AveragingInfo, Method, check_int
+
+
+def default_group_size(size: int) -> int:
+    """``2**ceil(log2(sqrt(P)))`` capped at P: two group steps mix every model
+    (P=64 -> 8, the paper's setting; P=8 -> 4; P=4 -> 2)."""
+    s = 1
+    while s * s < size:
+        s *= 2
+    return min(s, size)
+
+
+class LocalSGD(Method):
+    """Local steps, and a blocking global model average every ``period``
+    iterations (iterations period-1, 2*period-1, ...)."""
+
+    name = "local_sgd"
+
+    def __init__(self, period: int = 10) -> None:
+        super().__init__()
+        self.period = check_int("sync_every", period, 1)
+        self._handles: list[Any] = []
+
+    def communicates(self, t: int) -> bool:
+        return (t + 1) % self.period == 0
+
+    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+        self._handles = [self.comm.allreduce(b, "avg", async_op=True) for b in buffers]
+
+    def _finish(self, t: int) -> AveragingInfo:
+        t0 = time.perf_counter()
+        for h in self._handles:
+            h.wait()
+        self._handles = []
+        return AveragingInfo(t, self.name, MODEL, True, time.perf_counter() - t0)
+
+    def describe(self) -> str:
+        return f"local_sgd (average every {self.period})"
+
+
+class WagmaSGD(Method):
+    """WAGMA-SGD: the wait-avoiding group allreduce of the model over shifting
+    groups, a blocking global mean every ``sync_every`` iterations (after which
+    every replica's averaged model is bitwise identical)."""
+
+    name = "wagma"
+    deterministic = False
+
+    def __init__(self, group_size: int | None = None, sync_every: int = 10, *,
+                 activation: str = "global", normalization: str = "wagma") -> None:
+        super().__init__()
+        self.group_size = None if group_size is None else check_int("group_size", group_size, 1)
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        if activation not in ACTIVATION_SCOPES:
+            raise InvalidArgumentError("activation", f"expected one of "
+                                       f"{list(ACTIVATION_SCOPES)}, got {activation!r}")
+        if normalization not in NORMALIZATIONS:
+            raise InvalidArgumentError("normalization", f"expected one of "
+                                       f"{list(NORMALIZATIONS)}, got {normalization!r}")
+        self.activation, self.normalization = activation, normalization
+        self._colls: list[Any] = []
+        self._handles: list[Any] = []
+
+    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+        if self.group_size is None:
+            self.group_size = default_group_size(comm.size)
+        groups_mod.check_group_size(comm.size, self.group_size)
+        if self.first_iteration % self.sync_every and self.sync_every != _resumable.NO_SYNC:
+            raise InvalidArgumentError(
+                "first_iteration", f"{self.name} resumes only at a multiple of sync_every="
+                f"{self.sync_every}, got {self.first_iteration}")
+        # The creation buffer is what a rank contributes before it has published
+        # anything: the current (identical) model, copied.
+        self._colls = [_resumable.create(
+            comm, "wagma", b.copy(), self.sync_every, self.first_iteration,
+            group_size=self.group_size, activation=self.activation,
+            normalization=self.normalization) for b in buffers]
+
+    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+        self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
+
+    def _finish(self, t: int) -> AveragingInfo:
+        t0 = time.perf_counter()
+        infos = tuple(h.wait() for h in self._handles)
+        self._handles = []
+        return AveragingInfo(t, self.name, MODEL, infos[0].synchronized,
+                             time.perf_counter() - t0, infos,
+                             max(i.staleness for i in infos))
+
+    def finalize(self, buffers: Any) -> bool:
+        for c, b in zip(self._colls, buffers):
+            c.flush(b)  # one extra global mean: replicas agree bitwise
+        return False
+
+    def close(self) -> None:
+        for c in self._colls:
+            c.close()
+        self._colls = []
+
+    def checkpoint_error(self, t: int) -> str | None:
+        if t % self.sync_every and self.sync_every != _resumable.NO_SYNC:
+            return (f"{self.name} checkpoints resume only at iterations that are a multiple "
+                    f"of sync_every={self.sync_every} (after a sync round), not {t}")
+        return None
+
+    def statistics(self) -> dict[str, Any]:
+        return self._colls[0].statistics() if self._colls else {}
+
+    def describe(self) -> str:
+        return (f"{self.name} (groups of {self.group_size}, sync every {self.sync_every}, "
+                f"{self.activation} activation)")
+
+
+class ADPSGD(WagmaSGD):
+    """AD-PSGD as feasible here: wait-avoiding *pairwise* model averaging
+    (groups of 2, plain mean) with a partner that rotates every iteration (the
+    shifting groups: r XOR 2**s), activated by the first of the pair to arrive,
+    and no global sync. The partner's progress thread answers with its last
+    published model while its application computes, as in AD-PSGD; unlike
+    AD-PSGD the pairs of an iteration are fixed in advance."""
+
+    name = "ad_psgd"
+
+    def __init__(self) -> None:
+        super().__init__(2, _resumable.NO_SYNC, activation="group", normalization="mean")
+
+    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+        self.group_size = min(2, comm.size)
+        super()._setup(comm, buffers)
+
+    def describe(self) -> str:
+        return "ad_psgd (rotating pairs, wait-avoiding, no global sync)"

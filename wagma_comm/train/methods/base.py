@@ -1,0 +1,138 @@
+"""What every training method provides, and what one iteration reports.
+
+A method averages either the *model* (weights, before the optimizer step:
+WAGMA-SGD's order, also D-PSGD's) or the *gradients* (before the optimizer step)
+of one iteration. It works on the flat host buffers of a bucket (one NumPy
+array per dtype, in the same order on every rank) and never sees a framework:
+the adapters pack, call :meth:`Method.start` as early as they can (so
+communication overlaps the rest of the backward pass), then
+:meth:`Method.finish` before the optimizer step, and unpack.
+"""
+
+from __future__ import annotations
+
+import numbers
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from ...errors import InvalidArgumentError
+from ...partial.info import RoundInfo
+
+MODEL, GRADIENTS = "model", "gradients"
+
+
+@dataclass(frozen=True)
+class AveragingInfo:
+    """What one iteration's averaging did on this rank.
+
+    ``averaged``: ``"model"``, ``"gradients"`` or ``None`` (nothing communicated
+    this iteration, e.g. a local step of local SGD). ``synchronized``: a
+    blocking round over all ranks. ``wait_s``: seconds the caller was blocked
+    waiting for the result. ``rounds``: the partial collectives' RoundInfo, one
+    per bucket (empty for other methods). ``staleness``: rounds this rank was
+    behind (0 for blocking methods).
+    """
+
+    iteration: int
+    method: str
+    averaged: str | None
+    synchronized: bool
+    wait_s: float
+    rounds: tuple[RoundInfo, ...] = ()
+    staleness: int = 0
+
+
+def check_int(argument: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(argument, f"expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(argument, f"must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class Method(ABC):
+    """One averaging scheme. Life cycle (all collective except start/finish
+    bookkeeping): ``setup`` once, then per iteration ``start`` + ``finish``
+    (every rank, same order), ``finalize`` once at the end, ``close``."""
+
+    name: ClassVar[str] = "method"
+    averages: ClassVar[str] = MODEL
+    deterministic: ClassVar[bool] = True  # same inputs -> same trajectory
+
+    def __init__(self) -> None:
+        self.comm: Any = None
+        self.first_iteration = 0
+        self._t: int | None = None
+
+    # -- life cycle ---------------------------------------------------------------
+    def setup(self, comm: Any, buffers: Sequence[np.ndarray], first_iteration: int = 0) -> None:
+        """Collective: bind to ``comm`` and the bucket layout; ``first_iteration``
+        is the training iteration the next ``start`` belongs to (non-zero on
+        resume). ``buffers`` hold the current model (model methods)."""
+        self.comm = comm
+        self.first_iteration = check_int("first_iteration", first_iteration, 0)
+        self._setup(comm, list(buffers))
+
+    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+        """Subclass hook: create persistent collectives."""
+
+    def communicates(self, t: int) -> bool:
+        """Whether iteration ``t`` communicates at all (local SGD: every H-th)."""
+        return True
+
+    def start(self, t: int, buffers: Sequence[np.ndarray]) -> None:
+        """Begin iteration ``t``'s averaging of ``buffers`` in place; returns
+        without waiting where the method allows. Leave the buffers alone until
+        :meth:`finish`."""
+        if self._t is not None:
+            raise InvalidArgumentError("start", f"{self.name}: iteration {self._t} was "
+                                       "started and not finished")
+        self._t = t
+        if self.communicates(t):
+            self._start(t, list(buffers))
+
+    def finish(self) -> AveragingInfo:
+        """Block until the buffers hold this iteration's result."""
+        if self._t is None:
+            raise InvalidArgumentError("finish", f"{self.name}: no iteration was started")
+        t, self._t = self._t, None
+        if not self.communicates(t):
+            return AveragingInfo(t, self.name, None, False, 0.0)
+        return self._finish(t)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._t is not None
+
+    @abstractmethod
+    def _start(self, t: int, buffers: list[np.ndarray]) -> None: ...
+
+    @abstractmethod
+    def _finish(self, t: int) -> AveragingInfo: ...
+
+    def finalize(self, buffers: Sequence[np.ndarray]) -> bool:
+        """Collective, at the end of training. Model methods: replace the
+        buffers by the global mean of every rank's model (replicas then agree).
+        Gradient methods: put what never reached a round into the buffers and
+        return True if that is a non-zero update the caller should apply."""
+        if self.averages == MODEL:
+            for b in buffers:
+                self.comm.allreduce(b, "avg")
+        return False
+
+    def close(self) -> None:
+        """Collective: release persistent collectives (idempotent)."""
+
+    def checkpoint_error(self, t: int) -> str | None:
+        """Why a checkpoint taken before iteration ``t`` could not be resumed
+        exactly (None: it can)."""
+        return None
+
+    def statistics(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,124 @@
+"""Point-to-point model exchange for the gossip baselines (D-PSGD, SGP).
+
+The communicator has no point-to-point API, and its group allreduce works on
+partitions, which cannot express overlapping ring neighbourhoods. Rather than
+add a core API for two baselines, this module talks MPI directly (mpi4py) on a
+private duplicate of the MPI communicator, so its messages can never match
+wagma_comm's or the user's. It keeps the runtime's rules: every wait has a
+finite deadline, and a peer that does not show up is named in a
+:class:`~wagma_comm.errors.CollectiveTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import CollectiveTimeoutError, CommunicatorClosedError, InvalidArgumentError
+
+__all__ = ["NeighborExchange", "resolve_mpi_comm"]
+
+_TAG_ROUNDS = 1024  # tags cycle over rounds; rounds complete in order per peer
+_MAX_BUFFERS = 32
+
+
+def resolve_mpi_comm(comm: Any, mpi_comm: Any = None) -> Any:
+    """The MPI communicator ``comm`` runs over: ``mpi_comm`` if given, else
+    MPI_COMM_WORLD. Checked to have the same rank and size (a local check)."""
+    from mpi4py import MPI
+
+    mc = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    if not isinstance(mc, MPI.Comm):
+        raise InvalidArgumentError("mpi_comm", f"expected an mpi4py communicator, got "
+                                   f"{type(mc).__name__}")
+    if (mc.Get_rank(), mc.Get_size()) != (comm.rank, comm.size):
+        raise InvalidArgumentError(
+            "mpi_comm", f"rank/size {mc.Get_rank()}/{mc.Get_size()} differ from the "
+            f"wagma communicator's {comm.rank}/{comm.size}; pass the MPI communicator "
+            "it was created over (init(mpi_comm=...))")
+    return mc
+
+
+class NeighborExchange:
+    """Send this rank's buffers to some peers and receive theirs, once per round.
+
+    Collective to create and to :meth:`close` (a ``Dup``/``Free`` of the MPI
+    communicator). Rounds must be started and finished in the same order on
+    every rank; a round's messages are tagged by its number.
+    """
+
+    def __init__(self, mpi_comm: Any, timeout: float, name: str) -> None:
+        self._comm = mpi_comm.Dup()
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+        self.timeout = timeout
+        self.name = name
+        self._round = 0
+        self._requests: list[Any] = []
+        self._peers: list[int] = []  # the source of each receive request, in order
+        self._broken: str | None = None
+
+    def start(self, sends: Sequence[tuple[np.ndarray, Sequence[int]]],
+              recvs: Sequence[tuple[Sequence[np.ndarray], Sequence[int]]]) -> None:
+        """Post this round: ``sends[k] = (buffer, destinations)`` and
+        ``recvs[k] = (buffers, sources)`` for buffer ``k``. The send buffers and
+        receive buffers must stay untouched until :meth:`wait` returns."""
+        from mpi4py import MPI
+
+        if self._broken is not None:
+            raise CommunicatorClosedError(f"{self.name}: exchange is broken: {self._broken}")
+        if self._requests:
+            raise InvalidArgumentError("start", f"{self.name}: round {self._round} is still "
+                                       "in flight; wait() for it first")
+        if len(sends) > _MAX_BUFFERS:
+            raise InvalidArgumentError("sends", f"at most {_MAX_BUFFERS} buffers per round")
+        base = (self._round % _TAG_ROUNDS) * _MAX_BUFFERS
+        for k, (bufs, sources) in enumerate(recvs):
+            for buf, src in zip(bufs, sources):
+                self._requests.append(self._comm.Irecv([buf.view(np.uint8), MPI.BYTE],
+                                                       src, base + k))
+                self._peers.append(src)
+        for k, (buf, dests) in enumerate(sends):
+            for dst in dests:
+                self._requests.append(self._comm.Isend([buf.view(np.uint8), MPI.BYTE],
+                                                       dst, base + k))
+
+    def wait(self) -> float:
+        """Block until this round's messages are done; returns the seconds waited.
+        Past the deadline: cancel the receives, raise CollectiveTimeoutError
+        naming the peers not heard from; the exchange is broken afterwards."""
+        from mpi4py import MPI
+
+        start = time.monotonic()
+        deadline = start + self.timeout
+        nap = 0.0
+        while not MPI.Request.Testall(self._requests):
+            now = time.monotonic()
+            if now > deadline:
+                # Receives come first in the list; zip pairs each with its source.
+                late = [(src, req) for src, req in zip(self._peers, self._requests)
+                        if not req.Test()]
+                for _, req in late:
+                    req.Cancel()
+                    req.Free()
+                missing = sorted({src for src, _ in late})
+                self._broken = f"round {self._round} timed out"
+                self._requests, self._peers = [], []
+                raise CollectiveTimeoutError(
+                    self.name, self._round, missing,
+                    f"neighbour exchange not complete within {self.timeout:g} s")
+            # Short naps: ranks outnumber cores in the tests and the demo.
+            nap = min(1e-3, nap * 2 or 2e-5) if now - start > 1e-4 else 0.0
+            time.sleep(nap)
+        self._requests, self._peers = [], []
+        self._round += 1
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        """Collective: free the duplicated communicator."""
+        if self._comm is not None:
+            try:
+                self._comm.Free()
+            finally:
+                self._comm = None

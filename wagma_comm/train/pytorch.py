@@ -1,0 +1,406 @@
+"""PyTorch integration: :class:`DistributedOptimizer` wraps any ``torch.optim``
+optimizer so a training loop adopts WAGMA-SGD (or a baseline) in a few lines::
+
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                               momentum=0.9),
+                               comm, "wagma", model=model, group_size=4, sync_every=10)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # averaging starts during backward
+        opt.step()                        # wait, apply the average, optimizer step
+    opt.finalize(); opt.close()
+
+Order per iteration (ALGORITHMS.md section 2): the gradient is taken at the
+pre-averaging weights, the weights (or, for gradient methods, the gradients) are
+averaged, then the wrapped optimizer steps. Model averaging needs only the
+weights, which nothing changes between ``step()`` and the next ``step()``, so it
+starts as early as the wrapper hears of the iteration: at ``zero_grad()``, or
+else at the first gradient hook of the backward pass, and overlaps the forward
+and backward passes. Gradient averaging starts at the hook that completes the
+last gradient (one flat message per dtype cannot leave earlier).
+``overlap=False`` starts everything in ``step()`` instead.
+
+Parameters travel as one flat bucket per dtype, staged through host memory
+(pinned for CUDA tensors) because the runtime's collectives are host-memory
+only until the NCCL transport lands.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..errors import InvalidArgumentError
+from .methods import MODEL, AveragingInfo, Method, make_method
+from .specs import TensorSpec, bucket_sizes, check_consistent, layout
+from .stats import WaitStats
+
+__all__ = ["DistributedOptimizer", "TorchBucket", "torch_dtype_name"]
+
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                 torch.float32: "float32", torch.float64: "float64",
+                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+_BY_NAME = {v: k for k, v in _TORCH_DTYPES.items()}
+_STATE_FORMAT = 1
+
+
+def torch_dtype_name(dtype: torch.dtype, argument: str) -> str:
+    name = _TORCH_DTYPES.get(dtype)
+    if name is None:
+        raise InvalidArgumentError(argument, f"unsupported dtype {dtype}; expected one of "
+                                   f"{sorted(_TORCH_DTYPES.values())}")
+    return name
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a host tensor, typed as wagma's dtype (bfloat16 through
+    an int16 view, since NumPy has no bfloat16 of its own)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _specs(tensors: Sequence[torch.Tensor], names: Sequence[str | None],
+           argument: str) -> tuple[TensorSpec, ...]:
+    return layout([tuple(t.shape) for t in tensors],
+                  [torch_dtype_name(t.dtype, f"{argument}[{i}]")
+                   for i, t in enumerate(tensors)], names)
+
+
+class TorchBucket:
+    """Flat buckets for torch tensors on one device: a device buffer per dtype
+    and, for CUDA, a pinned host mirror the collectives run on."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device) -> None:
+        self.specs = tuple(specs)
+        self.device = device
+        staged = device.type != "cpu"
+        self._host: dict[str, torch.Tensor] = {}
+        self._dev: dict[str, torch.Tensor] = {}
+        self._np: dict[str, np.ndarray] = {}
+        for dt, n in bucket_sizes(self.specs).items():
+            host = torch.zeros(n, dtype=_BY_NAME[dt], pin_memory=staged)
+            self._host[dt] = host
+            self._dev[dt] = torch.zeros(n, dtype=_BY_NAME[dt], device=device) \
+                if staged else host
+            self._np[dt] = _numpy_view(host)
+            assert dtypes.from_numpy(self._np[dt].dtype) is dtypes.BY_NAME[dt]
+
+    def buffers(self) -> list[np.ndarray]:
+        """Host buffers for the collectives, one per dtype, in layout order."""
+        return list(self._np.values())
+
+    def _slot(self, spec: TensorSpec) -> torch.Tensor:
+        return self._dev[spec.dtype].narrow(0, spec.offset, spec.count)
+
+    @torch.no_grad()
+    def pack(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Copy tensors in (``None`` -> zeros), then to the host mirror."""
+        for spec, t in zip(self.specs, tensors):
+            if t is None:
+                self._slot(spec).zero_()
+            else:
+                self._slot(spec).copy_(t.detach().reshape(-1))
+        if self.device.type != "cpu":
+            for dt, host in self._host.items():
+                host.copy_(self._dev[dt])
+
+    @torch.no_grad()
+    def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the (host) result into ``tensors`` in place."""
+        if self.device.type != "cpu":
+            for dt, host in self._host.items():
+                self._dev[dt].copy_(host)
+        for spec, t in zip(self.specs, tensors):
+            t.detach().copy_(self._slot(spec).view(spec.shape))
+
+    @torch.no_grad()
+    def unpack_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Write the result as each parameter's ``.grad`` (created if missing)."""
+        if self.device.type != "cpu":
+            for dt, host in self._host.items():
+                self._dev[dt].copy_(host)
+        for spec, p in zip(self.specs, params):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(self._slot(spec).view(spec.shape))
+
+
+def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class DistributedOptimizer:
+    """Wraps ``optimizer`` with a training method (WAGMA-SGD by default).
+
+    Collective to create. It checks every rank has the same parameters (a
+    :class:`~wagma_comm.train.ParameterMismatchError` names the first one that
+    differs and the ranks), broadcasts rank 0's weights (and ``model``'s
+    buffers) so all replicas start equal, and sets up the method.
+
+    ``model`` (optional) gives parameter names for errors and its buffers
+    (e.g. BatchNorm statistics) for the initial broadcast. ``knobs`` go to
+    :func:`~wagma_comm.train.make_method`: ``group_size``, ``sync_every``,
+    ``activation``, ``normalization``, ``seed``, ``mpi_comm``.
+    Use ``opt.optimizer`` for learning-rate schedulers.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Any,
+                 method: str | Method = "wagma", *, model: torch.nn.Module | None = None,
+                 overlap: bool = True, broadcast: bool = True, **knobs: Any) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError("optimizer", f"expected a torch.optim.Optimizer, got "
+                                       f"{type(optimizer).__name__}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError("model", f"expected a torch.nn.Module, got "
+                                       f"{type(model).__name__}")
+        self.optimizer = optimizer
+        self.comm = comm
+        self.method = make_method(method, **knobs)
+        self.params = _unique_params(optimizer)
+        if not self.params:
+            raise InvalidArgumentError("optimizer", "has no parameters")
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.names = [names.get(id(p)) for p in self.params]
+        self.specs = _specs(self.params, self.names, "params")
+        device = self.params[0].device
+        for spec, p in zip(self.specs, self.params):
+            if p.device != device:
+                raise InvalidArgumentError(
+                    "optimizer", f"{spec.label()} is on {p.device} but parameter 0 is on "
+                    f"{device}; all parameters must share one device")
+        check_consistent(comm, self.specs)
+        self._weights = TorchBucket(self.specs, device)
+        self._grads = TorchBucket(self.specs, device)
+        if broadcast:
+            self._broadcast(model)
+        self.iteration = 0
+        self.last_info: AveragingInfo | None = None
+        self.stats = WaitStats()
+        self._lock = threading.Lock()
+        self._started = False
+        self._ready: set[int] = set()
+        self._needs_grad = sum(p.requires_grad for p in self.params)
+        self._closed = False
+        self._overlap = overlap
+        self._setup()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in self.params if p.requires_grad] if overlap else []
+
+    # -- set-up -----------------------------------------------------------------------
+    def _broadcast(self, model: torch.nn.Module | None) -> None:
+        self._weights.pack(self.params)
+        for b in self._weights.buffers():
+            self.comm.broadcast(b, root=0)
+        self._weights.unpack(self.params)
+        buffers = [b for b in model.buffers()] if model is not None else []
+        if buffers:
+            names = {id(b): n for n, b in model.named_buffers()}  # type: ignore[union-attr]
+            specs = _specs(buffers, [names.get(id(b)) for b in buffers], "buffers")
+            check_consistent(self.comm, specs)
+            bucket = TorchBucket(specs, buffers[0].device)
+            bucket.pack(buffers)
+            for b in bucket.buffers():
+                self.comm.broadcast(b, root=0)
+            bucket.unpack(buffers)
+
+    def _setup(self) -> None:
+        work = self._weights if self.method.averages == MODEL else self._grads
+        if self.method.averages == MODEL:
+            work.pack(self.params)
+        self.method.setup(self.comm, work.buffers(), self.iteration)
+
+    # -- per iteration -------------------------------------------------------------------
+    def _start(self) -> None:
+        """(under _lock) Begin this iteration: pack what the method averages."""
+        t = self.iteration
+        if self.method.averages == MODEL:
+            bucket, tensors = self._weights, list(self.params)
+        else:
+            bucket, tensors = self._grads, [p.grad for p in self.params]
+        if self.method.communicates(t):
+            bucket.pack(tensors)
+        self.method.start(t, bucket.buffers())
+        self._started = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Backward hook: a parameter's gradient is complete."""
+        with self._lock:
+            if self._closed:
+                return
+            key = id(p)
+            if self._started and self.method.averages != MODEL and key in self._ready:
+                i = next(k for k, q in enumerate(self.params) if q is p)
+                raise InvalidArgumentError(
+                    "overlap", f"{self.specs[i].label()} received a second gradient after "
+                    "its averaging started (gradient accumulation over several backward "
+                    "passes needs overlap=False)")
+            self._ready.add(key)
+            if self._started:
+                return
+            if self.method.averages == MODEL or len(self._ready) >= self._needs_grad:
+                self._start()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; with ``overlap``, model averaging
+        of the coming iteration starts here (the weights are final until
+        ``step()``), so it overlaps the forward and the backward pass."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._overlap and self.method.averages == MODEL:
+            with self._lock:
+                if not self._started and not self._closed:
+                    self._start()
+
+    def _drain(self) -> None:
+        """Finish an iteration that was started (``zero_grad``) but will not be
+        stepped -- before finalize, close or a restart -- discarding its result:
+        every rank started it, so every rank drains it."""
+        with self._lock:
+            started, self._started = self._started, False
+            self._ready.clear()
+        if started:
+            self.method.finish()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish this iteration's averaging, apply it, then the optimizer step.
+        ``closure`` (re-computes the loss and gradients) runs first, as in torch."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with self._lock:
+            if not self._started:
+                self._start()
+        info = self.method.finish()
+        if info.averaged == MODEL:
+            self._weights.unpack(self.params)
+        elif info.averaged is not None:
+            self._grads.unpack_grads(self.params)
+        self.optimizer.step()
+        with self._lock:
+            self._started = False
+            self._ready.clear()
+            self.iteration += 1
+        self.last_info = info
+        self.stats.record(info)
+        return loss
+
+    # -- end ----------------------------------------------------------------------------
+    def finalize(self) -> None:
+        """Collective, after the last step. Model methods: every replica becomes
+        the global mean (bitwise identical). Gradient methods: what missed its
+        rounds is applied with one more optimizer step (if non-zero)."""
+        self._check_open()
+        self._drain()
+        if self.method.averages == MODEL:
+            self._weights.pack(self.params)
+            self.method.finalize(self._weights.buffers())
+            self._weights.unpack(self.params)
+        elif self.method.finalize(self._grads.buffers()):
+            self._grads.unpack_grads(self.params)
+            self.optimizer.step()
+
+    def close(self) -> None:
+        """Collective: release the method's collectives and the hooks (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for h in self._hooks:
+            h.remove()
+        try:
+            self._drain()
+        finally:
+            self.method.close()
+
+    def __enter__(self) -> "DistributedOptimizer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("optimizer", "DistributedOptimizer is closed")
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming needs besides the model: the wrapped optimizer's state
+        and the round counter. Raises if this iteration could not be resumed
+        exactly (partial-collective methods: only after a sync round)."""
+        with self._lock:
+            if self._started and self.method.averages != MODEL:
+                raise InvalidArgumentError("state_dict", "gradients are being averaged; take "
+                                           "checkpoints between step() and the next backward")
+        # A model average started by zero_grad() only read the weights, which
+        # the checkpoint holds: resuming starts that iteration again.
+        err = self.method.checkpoint_error(self.iteration)
+        if err:
+            raise InvalidArgumentError("state_dict", err)
+        return {"format": _STATE_FORMAT, "optimizer": self.optimizer.state_dict(),
+                "iteration": self.iteration, "method": self.method.name,
+                "rank": self.comm.rank, "size": self.comm.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: restore the optimizer and round counter, and restart the
+        method's collectives at that iteration from the current weights (load
+        the model's state first; :func:`load_checkpoint` does)."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise InvalidArgumentError("state_dict", "not a DistributedOptimizer state "
+                                       f"(format {_STATE_FORMAT})")
+        if state.get("method") != self.method.name:
+            raise InvalidArgumentError("state_dict", f"saved with method {state.get('method')!r}"
+                                       f", this optimizer runs {self.method.name!r}")
+        if state.get("size") != self.comm.size:
+            raise InvalidArgumentError("state_dict", f"saved on {state.get('size')} ranks, "
+                                       f"resuming on {self.comm.size}")
+        iteration = state.get("iteration")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise InvalidArgumentError("state_dict", f"bad iteration {iteration!r}")
+        err = self.method.checkpoint_error(iteration)
+        if err:
+            raise InvalidArgumentError("state_dict", err)
+        self._drain()
+        self.optimizer.load_state_dict(state["optimizer"])
+        with self._lock:
+            self.iteration = iteration
+        self.method.close()
+        self._setup()
+
+    # -- telemetry & delegation ------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        out = self.stats.as_dict()
+        out["method"] = self.method.describe()
+        out["collective"] = self.method.statistics()
+        return out
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        raise InvalidArgumentError("param_group", "the parameter layout is fixed at set-up; "
+                                   "add groups to the optimizer before wrapping it")
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.optimizer).__name__}, "
+                f"{self.method.describe()}, iteration {self.iteration})")
+
