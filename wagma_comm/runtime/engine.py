@@ -170,6 +170,7 @@ class Engine:
         # counts the latter; the progress thread parks while any are driving.
         self._driver = threading.Lock()
         self._drivers = 0
+        self._stopped = False  # the progress thread has finished: nobody drives
         self._closing = False
         self._cancel_pending = False
         self.broken: WagmaError | None = None
@@ -257,12 +258,14 @@ class Engine:
             # do; a spin iteration with work in flight and none arriving skips it.
             busy = self._active or self._waiting or self._services
             if self._incoming or self._closing or not busy or self._drivers:
+                waited = False
                 with self._cv:
                     while ((self._drivers or not (self._incoming or self._active
                                                   or self._waiting or self._services))
                            and not self._closing):
                         self._cv.wait(_IDLE_WAIT_S)
                         self._stats["idle_wakeups"] += 1
+                        waited = True
                     closing, cancel = self._closing, self._cancel_pending
                 if closing:
                     with self._driver:
@@ -273,8 +276,10 @@ class Engine:
                         if self._services:
                             self._stop_services(CommunicatorClosedError("communicator closed"))
                         if not self._active and not self._waiting:
+                            self._stopped = True  # no driver may touch the transport now
                             return
-                idle_since = time.monotonic()
+                if waited:  # back from a nap: spin again before backing off
+                    idle_since = time.monotonic()
             with self._driver:
                 progressed = self._turn()
             if progressed:
@@ -325,36 +330,50 @@ class Engine:
         """
         if threading.current_thread() is self._thread or handle.done:
             return
-        with self._cv:
-            if self._closing:
-                return
-            self._drivers += 1
+        registered = False
         try:
+            with self._cv:
+                if self._closing or self._stopped:
+                    return
+                self._drivers += 1
+                registered = True
             idle_since = time.monotonic()
             while not handle.done:
-                progressed = False
-                if self._driver.acquire(blocking=False):
-                    try:
-                        progressed = self._turn()
-                    finally:
-                        self._driver.release()
+                progressed = self._drive_once(self._turn)
                 now = time.monotonic()
                 if progressed:
                     idle_since = now
                 elif now - idle_since > _SPIN_S or now > until:
                     return
-                elif self._driver.acquire(blocking=False):
-                    try:
-                        self._spin_poll()
-                    finally:
-                        self._driver.release()
-                else:
-                    os.sched_yield()
+                elif self._drive_once(self._spin_poll):
+                    idle_since = now
         finally:
-            with self._cv:
-                self._drivers -= 1
-                if self._active or self._waiting or self._incoming or self._services:
-                    self._cv.notify()  # work remains in flight: the thread resumes
+            if registered:
+                with self._cv:
+                    self._drivers -= 1
+                    if self._active or self._waiting or self._incoming or self._services:
+                        self._cv.notify()  # work remains in flight: the thread resumes
+
+    def _drive_once(self, step: Callable[[], bool]) -> bool:
+        """Run ``step`` (a turn or a spin-poll) if no one else is driving.
+
+        An exception that escapes it on an application thread (Ctrl-C, a
+        callback's bug) may leave a half-retired request behind, so it breaks
+        the engine: every in-flight handle fails at once instead of hanging."""
+        if not self._driver.acquire(blocking=False):
+            os.sched_yield()
+            return False
+        try:
+            if self._stopped:
+                return False
+            return step()
+        except BaseException as exc:
+            if not isinstance(exc, TransportError):
+                self._break(TransportError(
+                    f"engine interrupted while driven by a waiting thread: {exc!r}"))
+            raise
+        finally:
+            self._driver.release()
 
     def _drive(self, service: Service) -> bool:
         """One turn of a service; a bug in it fails that service, loudly, and
