@@ -42,7 +42,8 @@ demo: $(STAMP)
 	$(MPIEXEC) -n $(DEMO_RANKS) $(VENV)/bin/wagma demo $(DEMO_ARGS)
 
 bench: $(STAMP)
-	$(MPIEXEC) -n 8 $(VENV)/bin/wagma bench --vs mpi --json bench/results/host-8.json
+	$(MPIEXEC) -n 8 $(VENV)/bin/wagma bench all -b 16 -e 64M -f 4 --vs mpi,gloo \
+	  --json bench/results/host-8.json --csv bench/results/host-8.csv --plot docs/img/bench-host-8.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info
