@@ -67,8 +67,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--vs", default="mpi",
                    help="peers, comma-separated: mpi, mpi-nb, gloo, nccl, or none")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--compute-kind", default="numpy", choices=["numpy", "python"],
-                   help="overlap: the compute kernel (numpy releases the GIL)")
+    p.add_argument("--compute-kind", default="numpy", choices=["numpy", "python", "sleep"],
+                   help="overlap: the compute kernel (numpy releases the GIL; sleep uses no CPU)")
     p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
     p.add_argument("--csv", default=None, help="write results as CSV (rank 0)")
     p.add_argument("--plot", default=None, help="write a bandwidth/time plot (PNG, rank 0)")
