@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import report
+from . import check, report
 
 SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SWEEP_COLLECTIVES = ("allreduce", "group_allreduce", "broadcast", "wait_avoiding", "solo",
@@ -115,28 +115,8 @@ def busbw_factor(collective: str, n: int) -> float:
 
 
 def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
-    """Rank-dependent small integers: exact in every dtype, so a check is exact."""
-    vals = ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float32)
-    return np.asarray(vals.astype(dtype.numpy)).view(dtype.storage)
-
-
-def expected_result(collective: str, ranks: list[int], count: int, op: str,
-                    root: int = 0) -> np.ndarray:
-    if collective == "broadcast":
-        return ((root % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
-    stack = np.stack([((r % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
-                      for r in ranks])
-    return {"sum": stack.sum(0), "avg": stack.sum(0) / len(ranks), "max": stack.max(0),
-            "min": stack.min(0), "prod": stack.prod(0)}[op]
-
-
-def count_wrong(arr: np.ndarray, dtype: Any, expected: np.ndarray) -> int:
-    """Elements of ``arr`` (storage view) that differ from ``expected``."""
-    got = arr.view(dtype.numpy).astype(np.float64)
-    if not dtype.is_float:
-        expected = np.floor(expected)
-    tol = 1e-2 if dtype.is_half else 1e-6
-    return int(np.count_nonzero(np.abs(got - expected) > tol * np.abs(expected) + 1e-12))
+    """This rank's input as the storage view the collectives and peers share."""
+    return check.pattern(rank, count, dtype).view(dtype.storage)
 
 
 def sizes_of(args: argparse.Namespace) -> list[int]:
@@ -207,14 +187,14 @@ def _check(coll: str, ctx: Context, buf: np.ndarray,
     if not ctx.args.check or coll not in ("allreduce", "group_allreduce", "broadcast"):
         return {}
     members = list(range(ctx.comm.size)) if coll != "group_allreduce" else ctx.group
-    expected = expected_result(coll, members, buf.size, ctx.args.op, ctx.args.root)
+    expected = check.expected_result(coll, members, buf.size, ctx.args.op, ctx.args.root)
     wrong = {}
     for name, call in impls.items():
         if name == "wagma-global":
             continue
         buf[:] = pattern(ctx.comm.rank, buf.size, ctx.dtype)
         call()
-        wrong[name] = ctx.world.allreduce(count_wrong(buf, ctx.dtype, expected))
+        wrong[name] = ctx.world.allreduce(check.count_wrong(buf, ctx.dtype, expected))
     return wrong
 
 

@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence, TextIO
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from . import check as checking
 from .measure import Timing, iterations_for
 
 COMPUTE_KINDS = ("numpy", "python", "sleep")
@@ -236,29 +237,6 @@ def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def _pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
-    """Small integers, exact in every supported dtype for sums over 8 ranks."""
-    return ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float32).astype(dtype.numpy)
-
-
-def expected_result(size: int, count: int, op: str) -> np.ndarray:
-    """What an allreduce of every rank's ``_pattern`` gives (float64)."""
-    stack = np.stack([((r % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
-                      for r in range(size)])
-    return {"sum": stack.sum(0), "avg": stack.sum(0) / size, "max": stack.max(0),
-            "min": stack.min(0), "prod": stack.prod(0)}[op]
-
-
-def count_wrong(arr: np.ndarray, dtype: Any, size: int, op: str) -> int:
-    """Elements of ``arr`` that differ from the expected allreduce result."""
-    expected = expected_result(size, arr.size, op)
-    if not dtype.is_float:
-        expected = np.floor(expected)
-    want = expected.astype(dtype.numpy).astype(np.float64)  # as the dtype stores it
-    got = np.asarray(arr).astype(np.float64)
-    tol = 1e-2 if dtype.is_half else 1e-6
-    bad = ~(np.isclose(got, want, rtol=tol, atol=0.0) | (got == want))
-    return int(np.count_nonzero(bad))
 
 
 def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
@@ -314,7 +292,7 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
     try:
         for nbytes in sizes:
             count = nbytes // dt.itemsize
-            arr = _pattern(rank, count, dt)
+            arr = checking.pattern(rank, count, dt)
             storage = arr.view(dt.storage)
             impls: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
                 "wagma": (lambda: comm.allreduce(arr, op, async_op=True),
@@ -345,11 +323,12 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
                 if not check:
                     wrong[name] = -1
                     continue
-                arr[...] = _pattern(rank, count, dt)
+                arr[...] = checking.pattern(rank, count, dt)
                 handle = post()
                 computes[name]()
                 wait(handle)
-                wrong[name] = world.allreduce(count_wrong(arr, dt, size, op))
+                expected = checking.expected_result("allreduce", range(size), count, op)
+                wrong[name] = world.allreduce(checking.count_wrong(arr, dt, expected))
             samples: dict[str, list[RoundTimes]] = {name: [] for name in impls}
             for r in range(rounds):
                 order = list(impls) if r % 2 == 0 else list(reversed(impls))
