@@ -38,12 +38,11 @@ Compute kinds:
   accelerator, or a node with cores to spare. The ceiling of what background
   progress can hide when the collective does not compete for the CPU.
 
-Run it under mpiexec: ``mpiexec -n 8 python -m wagma_comm.bench.overlap``.
+Run it under mpiexec: ``mpiexec -n 8 wagma bench overlap``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -398,98 +397,6 @@ def print_overlap_table(rows: Sequence[dict[str, Any]], file: TextIO | None = No
 
 
 # -- command line ---------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser, common: bool = True) -> None:
-    """Options of the overlap benchmark. ``common=False`` adds only those that
-    ``wagma bench`` lacks (``--compute``, ``--no-mpi``), for wiring it into
-    that parser, whose -b/-e/-f/-d/-o/-n/-w/-r/--json mean the same here."""
-    from .cli import parse_size
-
-    if common:
-        parser.add_argument("-b", "--minbytes", type=parse_size, default=DEFAULT_SIZES[0])
-        parser.add_argument("-e", "--maxbytes", type=parse_size, default=DEFAULT_SIZES[-1])
-        parser.add_argument("-f", "--stepfactor", type=int, default=16)
-        parser.add_argument("-d", "--dtype", default="float32")
-        parser.add_argument("-o", "--op", default="sum")
-        parser.add_argument("-n", "--iters", type=int, default=0,
-                            help="iterations per round (default: adaptive by size)")
-        parser.add_argument("-w", "--warmup", type=int, default=2)
-        parser.add_argument("-r", "--rounds", type=int, default=3,
-                            help="alternating rounds per implementation (median is kept)")
-        parser.add_argument("--json", default=None, help="write rows as JSON (rank 0)")
-    parser.add_argument("--compute", default="numpy", choices=COMPUTE_KINDS,
-                        help="numpy: GIL-free matmuls (default); python: a GIL-holding "
-                             "loop; sleep: no CPU (compute on an accelerator)")
-    parser.add_argument("--no-mpi", action="store_true", help="skip MPI_Iallreduce")
-
-
-def sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
-    """minbytes, minbytes*factor, ... up to maxbytes."""
-    if minbytes < 1 or maxbytes < minbytes:
-        raise InvalidArgumentError("maxbytes", f"need 1 <= minbytes <= maxbytes, got "
-                                   f"{minbytes}, {maxbytes}")
-    out, nb = [], minbytes
-    while nb <= maxbytes:
-        out.append(nb)
-        nb *= max(2, factor)
-    return out
-
-
-def add_parser(sub: Any) -> None:
-    """``wagma overlap`` as a sub-command (same shape as bench/imbalance)."""
-    p = sub.add_parser("overlap", help="non-blocking allreduce overlap (under mpiexec)",
-                       description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run from parsed arguments: init, measure, print on rank 0, close."""
-    import json
-
-    from mpi4py import MPI
-
-    import wagma_comm
-
-    world = MPI.COMM_WORLD
-    comm = wagma_comm.init()
-    try:
-        rows = run_overlap(comm, world, sweep(args.minbytes, args.maxbytes, args.stepfactor),
-                           args.dtype, args.op, args.iters, args.warmup, args.rounds,
-                           args.compute, mpi=not args.no_mpi, quiet=False)
-    finally:
-        comm.close()
-    if world.Get_rank() == 0:
-        _print_summary(rows)
-        if getattr(args, "json", None):
-            with open(args.json, "w") as fh:
-                json.dump({"command": " ".join(sys.argv), "rows": rows}, fh, indent=1)
-    return 0
-
-
-def _print_summary(rows: Sequence[dict[str, Any]]) -> None:
-    """Issue #5's target, judged on this run: overlap at 16 MiB at least MPI's."""
-    ours = {r["nbytes"]: r for r in rows if r["impl"] == "wagma"}
-    theirs = {r["nbytes"]: r for r in rows if r["impl"] == "mpi"}
-    big = ours.get(16 << 20), theirs.get(16 << 20)
-    if big[0] is not None and big[1] is not None:
-        ok = big[0]["overlap_pct"] >= big[1]["overlap_pct"]
-        print(f"\n# target: overlap at 16 MiB at least MPI_Iallreduce's: "
-              f"{big[0]['overlap_pct']:.1f}% vs {big[1]['overlap_pct']:.1f}%  "
-              f"{'PASS' if ok else 'FAIL'}", flush=True)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m wagma_comm.bench.overlap",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-__all__ = ["COMPUTE_KINDS", "Compute", "OverlapResult", "RoundTimes", "add_arguments",
-           "add_parser", "measure_overlap", "overlap_percent", "print_overlap_table",
-           "run", "run_overlap", "summarize", "time_overlap_round"]
+__all__ = ["COMPUTE_KINDS", "Compute", "OverlapResult", "RoundTimes", "format_header",
+           "format_row", "measure_overlap", "overlap_percent", "print_overlap_table",
+           "run_overlap", "summarize", "time_overlap_round"]
