@@ -236,8 +236,6 @@ def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-
-
 def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
                 dtype: str = "float32", op: str = "sum", iters: int = 0, warmup: int = 2,
                 rounds: int = 3, compute: str = "numpy", check: bool = True,
@@ -396,7 +394,6 @@ def print_overlap_table(rows: Sequence[dict[str, Any]], file: TextIO | None = No
     out.flush()
 
 
-# -- command line ---------------------------------------------------------------
 __all__ = ["COMPUTE_KINDS", "Compute", "OverlapResult", "RoundTimes", "format_header",
            "format_row", "measure_overlap", "overlap_percent", "print_overlap_table",
            "run_overlap", "summarize", "time_overlap_round"]
