@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import check, report
+from .plot import human_bytes  # pure; matplotlib is imported only to draw
 
 SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SWEEP_COLLECTIVES = ("allreduce", "group_allreduce", "broadcast", "wait_avoiding", "solo",
@@ -230,7 +231,7 @@ def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]
             if len(rows) == 1:
                 _emit(progress, report.header(coll, list(impls), members))
             _emit(progress, report.row_line(row))
-        progress.advance(note=f"{coll} {report.human_bytes(nb)}")
+        progress.advance(note=f"{coll} {human_bytes(nb)}")
     return rows
 
 

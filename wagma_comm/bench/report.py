@@ -16,13 +16,6 @@ LARGE_VS_MPI = 1.15
 SMALL_VS_MPI = 3.0
 
 
-def human_bytes(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
 def header(coll: str, impls: list[str], n: int) -> str:
     what = f"group of {n} ranks" if coll in ("group_allreduce", "wait_avoiding") else f"{n} ranks"
     head = f"\n# {coll}  ({what}; time = mean over ranks [min-max])\n"
