@@ -37,7 +37,7 @@ class Buffer:
 
     owner: Any
     view: Any
-    ptr: int
+    address: int | None  # None for a NumPy array: asking it costs microseconds
     count: int
     dtype: DType
     shape: tuple[int, ...]
@@ -45,13 +45,24 @@ class Buffer:
     device_id: int
 
     @property
+    def ptr(self) -> int:
+        """Address of the first element."""
+        if self.address is None:
+            return int(self.owner.ctypes.data)
+        return self.address
+
+    @property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
 
     def host_array(self) -> np.ndarray:
         """A flat writable NumPy view (kernel storage dtype) of host memory."""
-        if type(self.owner) is np.ndarray:
-            return self.owner.reshape(-1).view(self.dtype.storage)
+        owner = self.owner
+        if type(owner) is np.ndarray:
+            storage = self.dtype.storage
+            if owner.ndim == 1 and owner.dtype == storage:
+                return owner
+            return owner.reshape(-1).view(storage)
         raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
         return np.frombuffer(raw, dtype=self.dtype.storage)
 
@@ -156,7 +167,7 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
         raise BufferError(
             argument, "buffer is read-only but the collective writes its result in place"
         )
-    return Buffer(arr, arr, arr.ctypes.data, arr.size, dtype, arr.shape, "cpu", 0)
+    return Buffer(arr, arr, None, arr.size, dtype, arr.shape, "cpu", 0)
 
 
 def _parse(obj: Any, argument: str, *, host: bool) -> Any:

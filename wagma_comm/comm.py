@@ -31,6 +31,10 @@ from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
 from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
 
+INLINE_MAX_BYTES = 64 << 10
+"""Blocking collectives up to this size run on the calling thread when nothing
+else is in flight (runtime/inline.py): small messages cost their Python."""
+
 DEFAULT_TIMEOUT_S = 300.0
 """Default deadline of every collective: finite, so a hang becomes an error.
 Override per communicator (``init(timeout=...)``), per call (``timeout=``) or
@@ -303,13 +307,26 @@ class Communicator:
             stages.extend(self._setup_stages(sched))
             stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt))
             now = time.monotonic()
-            handle = Handle(collective, seq, now + timeout, self._engine.alive,
-                            self._engine.drive_until)
-            work = Work(seq, collective, handle, stages, now + timeout, timeout,
-                        result=owner if result is ... else result, keepalive=buffer)
-            # A blocking call drives its own work: no need to wake the thread.
-            self._engine.submit(work, wake=async_op)
-        return handle if async_op else handle.wait()
+            value = owner if result is ... else result
+
+            def make_work() -> Work:
+                handle = Handle(collective, seq, now + timeout, self._engine.alive,
+                                self._engine.drive_until)
+                return Work(seq, collective, handle, stages, now + timeout, timeout,
+                            result=value, keepalive=buffer)
+
+            # A small blocking call with nothing else in flight runs right here
+            # (Engine.run_inline); the claim is taken under the submission lock.
+            inline = (not async_op and len(stages) == 1 and data.nbytes <= INLINE_MAX_BYTES
+                      and self._engine.try_inline())
+            if not inline:
+                work = make_work()
+                # A blocking call drives its own work: no need to wake the thread.
+                self._engine.submit(work, wake=async_op)
+        if inline:
+            late = self._engine.run_inline(stages[0], seq, now + timeout, make_work)
+            return value if late is None else late.wait()
+        return work.handle if async_op else work.handle.wait()
 
     def _setup_stages(self, sched: Schedule) -> list[Stage]:
         """Native collectives over a group need the group's own MPI communicator,

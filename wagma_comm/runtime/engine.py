@@ -30,10 +30,10 @@ from ..errors import (
     TransportError,
     WagmaError,
 )
-from ..kernels import host as host_kernels
 from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
 from ..transport.base import Transport
 from .handle import Handle
+from .inline import DONE, EXPIRED, InlineState, execute, post_native, run_local, view
 
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
 # only after this long without any completion fall back to short sleeps, so a
@@ -106,25 +106,34 @@ class _Run:
         self.ready: deque[int] = deque()
         self.posted: dict[int, Any] = {}
 
-    def enter(self, index: int, plan: tuple[tuple[tuple[int, ...], ...], list[int]],
+    def enter(self, index: int, plan: _Plan,
               arrays: dict[str, np.ndarray]) -> None:
         self.stage_index = index
         self.stage = self.work.stages[index]
         self.ops = self.stage.schedule.ops
-        self.succ, indegree = plan
+        self.succ, indegree, first = plan
         self.remaining = list(indegree)
-        self.ready = deque(i for i, d in enumerate(indegree) if d == 0)
+        self.ready = deque(first)
         self.completed = 0
         self.posted: dict[int, Any] = {}
         self.arrays = arrays
 
 
-def _plan(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+_Plan = tuple[tuple[tuple[int, ...], ...], list[int], list[int]]
+
+
+def _plan(schedule: Schedule) -> _Plan:
+    """(successors of each op, in-degree of each op, the ops ready at the start
+    with receives first: a receive posted before the peer's send arrives is
+    matched in place instead of through MPI's unexpected-message queue)."""
     succ: list[list[int]] = [[] for _ in schedule.ops]
     for i, deps in enumerate(schedule.deps):
         for d in deps:
             succ[d].append(i)
-    return tuple(tuple(s) for s in succ), [len(d) for d in schedule.deps]
+    indegree = [len(d) for d in schedule.deps]
+    first = [i for i, d in enumerate(indegree) if d == 0]
+    first.sort(key=lambda i: not isinstance(schedule.ops[i], Recv))
+    return tuple(tuple(s) for s in succ), indegree, first
 
 
 class _ScratchPool:
@@ -176,7 +185,8 @@ class Engine:
         self.broken: WagmaError | None = None
         self._stats = {"completed": 0, "failed": 0, "messages_sent": 0,
                        "messages_received": 0, "bytes_sent": 0, "bytes_received": 0,
-                       "local_ops": 0, "polls": 0, "idle_wakeups": 0}
+                       "local_ops": 0, "polls": 0, "idle_wakeups": 0,
+                       "inline": 0, "inline_handed_over": 0}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -354,6 +364,82 @@ class Engine:
                     if self._active or self._waiting or self._incoming or self._services:
                         self._cv.notify()  # work remains in flight: the thread resumes
 
+    # -- inline runs: small blocking collectives -------------------------------
+    def try_inline(self) -> bool:
+        """Claim the engine for :meth:`run_inline`. True only if nothing else is
+        queued or in flight; the caller then holds the driver lock and must call
+        run_inline next. Call it under the communicator's submission lock, so no
+        later collective can start first."""
+        if not self._driver.acquire(blocking=False):
+            return False
+        # Read without _cv: submissions append under the communicator's lock
+        # (held by our caller) and the progress thread's under _driver (ours
+        # now); a service added meanwhile just waits for the release.
+        idle = not (self._incoming or self._waiting or self._active or self._services
+                    or self._requests or self._closing or self._stopped
+                    or self.broken is not None)
+        if not idle:
+            self._driver.release()
+        return idle
+
+    def run_inline(self, stage: Stage, seq: int, deadline: float,
+                   make_work: Callable[[], Work]) -> Handle | None:
+        """Run a claimed single-stage collective on the calling thread
+        (inline.execute). Returns None when it finished here, or the Handle of
+        the Work (``make_work()``) it handed to the engine because a peer was
+        late; raises the collective's error (a timeout breaks the engine, as in
+        the engine itself). Releases the claim."""
+        sched = stage.schedule
+        plan = self._plan_of(sched)
+        arrays, borrowed = self._arrays_for(stage)
+        state = InlineState(plan[1], plan[2])
+        handed_over = False
+        try:
+            outcome = execute(state, sched.ops, plan[0], arrays, stage.dtype, self._transport,
+                              stage.channel, seq, deadline, _SPIN_S)
+            if outcome == DONE:
+                for arr in borrowed:
+                    self._pool.give(arr)
+                self._stats["completed"] += 1
+                self._stats["inline"] += 1
+                return None
+            work = make_work()
+            if outcome == EXPIRED:
+                error = timeout_error(work, stage, sched.ops, state.posted)
+                self.broken = self.broken or error
+                raise error
+            run = _Run(work)
+            run.enter(0, plan, arrays)
+            run.remaining, run.ready, run.completed = state.remaining, state.ready, state.completed
+            run.posted, run.borrowed = state.posted, borrowed
+            self._active.append(run)
+            for i, req in state.posted.items():
+                self._requests.append(req)
+                self._owners.append((run, i))
+            handed_over = True
+            self._stats["inline_handed_over"] += 1
+            return work.handle
+        except BaseException as exc:
+            for req in state.posted.values():
+                self._transport.abandon(req)
+            self._abandoned.append(arrays)  # MPI may still touch them
+            state.posted.clear()
+            self._stats["failed"] += 1
+            if isinstance(exc, TransportError):
+                self._break(exc)
+            raise
+        finally:
+            stats = self._stats
+            stats["messages_sent"] += state.sent
+            stats["bytes_sent"] += state.bytes_sent
+            stats["messages_received"] += state.received
+            stats["bytes_received"] += state.bytes_received
+            stats["local_ops"] += state.local_ops
+            self._driver.release()
+            if handed_over:
+                with self._cv:
+                    self._cv.notify()  # the progress thread goes on if no one drives
+
     def _drive_once(self, step: Callable[[], bool]) -> bool:
         """Run ``step`` (a turn or a spin-poll) if no one else is driving.
 
@@ -406,25 +492,31 @@ class Engine:
 
     def _enter_stage(self, run: _Run, index: int) -> None:
         stage = run.work.stages[index]
-        sched = stage.schedule
+        arrays, borrowed = self._arrays_for(stage)
+        run.borrowed.extend(borrowed)
+        run.enter(index, self._plan_of(stage.schedule), arrays)
+        if not stage.schedule.ops:
+            self._stage_done(run)
+
+    def _plan_of(self, sched: Schedule) -> _Plan:
         cached = self._plans.get(id(sched))
         if cached is None or cached[0] is not sched:
             if len(self._plans) >= _PLAN_CACHE_LIMIT:  # bounded: many sizes over a job
                 self._plans.clear()
             cached = (sched, _plan(sched))
             self._plans[id(sched)] = cached
+        return cached[1]
+
+    def _arrays_for(self, stage: Stage) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """The stage's arrays plus pooled scratch for what it did not provide."""
         arrays = dict(stage.arrays)
-        for name, count in sched.scratch:
+        borrowed: list[np.ndarray] = []
+        for name, count in stage.schedule.scratch:
             if name not in arrays:
                 arr = self._pool.take(stage.dtype.storage, count)
-                run.borrowed.append(arr)
+                borrowed.append(arr)
                 arrays[name] = arr
-        run.enter(index, cached[1], arrays)
-        if not sched.ops:
-            self._stage_done(run)
-
-    def _view(self, run: _Run, slot: Slot) -> np.ndarray:
-        return run.arrays[slot.buf][slot.offset:slot.offset + slot.count]
+        return arrays, borrowed
 
     def _advance(self, run: _Run) -> bool:
         """Issue every ready op of ``run``; local ops run here and now."""
@@ -437,17 +529,19 @@ class Engine:
             op = run.ops[i]
             try:
                 if isinstance(op, Send):
-                    arr = self._view(run, op.src)
+                    arr = view(run.arrays, op.src)
                     self._post(run, i, transport.isend(arr, op.peer, channel, seq, op.msg))
                     stats["messages_sent"] += 1
                     stats["bytes_sent"] += arr.nbytes
                 elif isinstance(op, Recv):
-                    arr = self._view(run, op.dst)
+                    arr = view(run.arrays, op.dst)
                     self._post(run, i, transport.irecv(arr, op.peer, channel, seq, op.msg))
                 elif isinstance(op, Native):
-                    self._post(run, i, self._native(run, op))
+                    self._post(run, i, post_native(transport, op, run.arrays,
+                                                   run.stage.dtype))
                 else:
-                    self._local(run, op)
+                    run_local(op, run.arrays, run.stage.dtype)
+                    stats["local_ops"] += 1
                     self._op_done(run, i)
             except TransportError:
                 raise
@@ -459,25 +553,6 @@ class Engine:
                     f"{run.work.collective} (round {seq}): {type(exc).__name__}: {exc}"))
                 return True
         return True
-
-    def _native(self, run: _Run, op: Native) -> Any:
-        arr = self._view(run, op.buf)
-        if op.kind == "allreduce":
-            return self._transport.native_allreduce(arr, op.op, run.stage.dtype, op.ranks)
-        return self._transport.native_broadcast(arr, op.root, op.ranks)
-
-    def _local(self, run: _Run, op: Any) -> None:
-        dtype = run.stage.dtype
-        if isinstance(op, Reduce):
-            host_kernels.reduce_into(self._view(run, op.dst), self._view(run, op.src),
-                                     op.op, dtype)
-        elif isinstance(op, Copy):
-            np.copyto(self._view(run, op.dst), self._view(run, op.src))
-        elif isinstance(op, Scale):
-            host_kernels.scale_into(self._view(run, op.dst), op.divisor, dtype)
-        else:
-            raise TypeError(f"unknown op {op!r}")
-        self._stats["local_ops"] += 1
 
     def _post(self, run: _Run, index: int, request: Any) -> None:
         run.posted[index] = request
@@ -595,17 +670,7 @@ class Engine:
                 self.broken = self.broken or error
 
     def _timeout_error(self, run: _Run) -> CollectiveTimeoutError:
-        waiting = sorted({run.ops[i].peer for i in run.posted
-                          if isinstance(run.ops[i], Recv)})
-        if not waiting:
-            waiting = sorted({r for i in run.posted for r in _peers_of(run.ops[i], run)})
-        what = {"debug": "debug fingerprint exchange", "setup": "group set-up"}.get(
-            run.stage.channel, run.stage.label or "data exchange")
-        return CollectiveTimeoutError(
-            run.work.collective, run.work.seq, waiting,
-            f"timed out after {run.work.timeout:g} s in its {what}, "
-            f"still waiting for messages from {len(waiting)} rank(s)",
-        )
+        return timeout_error(run.work, run.stage, run.ops, run.posted)
 
     def _break(self, error: TransportError) -> None:
         self.broken = self.broken or error
@@ -627,11 +692,27 @@ class Engine:
             work.handle._complete(None, error)
 
 
-def _peers_of(op: Any, run: _Run) -> Sequence[int]:
+def timeout_error(work: Work, stage: Stage, ops: Sequence[Any],
+                  posted: dict[int, Any]) -> CollectiveTimeoutError:
+    """The error of ``work`` timed out in ``stage`` with ``posted`` (op index ->
+    request) outstanding: it names the ranks it still waited for."""
+    waiting = sorted({ops[i].peer for i in posted if isinstance(ops[i], Recv)})
+    if not waiting:
+        waiting = sorted({r for i in posted for r in _peers_of(ops[i], stage.schedule.rank)})
+    what = {"debug": "debug fingerprint exchange", "setup": "group set-up"}.get(
+        stage.channel, stage.label or "data exchange")
+    return CollectiveTimeoutError(
+        work.collective, work.seq, waiting,
+        f"timed out after {work.timeout:g} s in its {what}, "
+        f"still waiting for messages from {len(waiting)} rank(s)",
+    )
+
+
+def _peers_of(op: Any, rank: int) -> Sequence[int]:
     if isinstance(op, (Send, Recv)):
         return (op.peer,)
     if isinstance(op, Native):
-        return tuple(r for r in op.ranks if r != run.stage.schedule.rank)
+        return tuple(r for r in op.ranks if r != rank)
     return ()
 
 

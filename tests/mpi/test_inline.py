@@ -1,0 +1,103 @@
+"""Small blocking collectives run on the calling thread (runtime/inline.py):
+they are taken inline only when the engine is idle, hand over to the engine
+when a peer is late, and time out naming the missing ranks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import wagma_comm
+from wagma_comm.comm import INLINE_MAX_BYTES
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+def _expected(count: int, dtype: type) -> np.ndarray:
+    return np.full(count, sum(r + 1 for r in range(SIZE)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_small_blocking_calls_run_inline(comm: wagma_comm.Communicator, dtype: type) -> None:
+    def started_inline() -> int:  # finished here, or handed over when a peer was late
+        stats = comm.statistics()
+        return stats["inline"] + stats["inline_handed_over"]
+
+    before = started_inline()
+    for _ in range(5):
+        buf = np.full(3, RANK + 1, dtype)
+        comm.allreduce(buf)
+        np.testing.assert_array_equal(buf, _expected(3, dtype))
+    assert started_inline() - before == 5
+
+
+def test_large_or_async_calls_use_the_engine(comm: wagma_comm.Communicator) -> None:
+    stats = comm.statistics()
+    before = stats["inline"] + stats["inline_handed_over"]
+    big = np.full(INLINE_MAX_BYTES // 4 + 1, RANK + 1, np.float32)
+    comm.allreduce(big)
+    np.testing.assert_array_equal(big, _expected(big.size, np.float32))
+    small = np.full(2, RANK + 1, np.float32)
+    comm.allreduce(small, async_op=True).wait()
+    np.testing.assert_array_equal(small, _expected(2, np.float32))
+    stats = comm.statistics()
+    assert stats["inline"] + stats["inline_handed_over"] == before
+
+
+def test_not_inline_while_other_work_is_in_flight(comm: wagma_comm.Communicator) -> None:
+    """Submission order is kept: a blocking call behind async work goes through
+    the engine's queue, and both results are right."""
+    stats = comm.statistics()
+    before = stats["inline"] + stats["inline_handed_over"]
+    first = np.full(1 << 16, RANK + 1, np.float32)
+    handle = comm.allreduce(first, async_op=True)
+    second = np.full(4, RANK + 1, np.float64)
+    comm.allreduce(second)
+    handle.wait()
+    np.testing.assert_array_equal(first, _expected(first.size, np.float32))
+    np.testing.assert_array_equal(second, _expected(4, np.float64))
+    if SIZE > 1:  # one rank completes everything at submission
+        stats = comm.statistics()
+        assert stats["inline"] + stats["inline_handed_over"] == before
+
+
+def test_late_peer_hands_the_run_to_the_engine(comm: wagma_comm.Communicator) -> None:
+    if SIZE == 1:
+        pytest.skip("a late peer needs two ranks")
+    before = comm.statistics()["inline_handed_over"]
+    if RANK == SIZE - 1:
+        time.sleep(0.3)  # far beyond the inline run's patience (20 ms)
+    buf = np.full(5, RANK + 1, np.float32)
+    comm.allreduce(buf)
+    np.testing.assert_array_equal(buf, _expected(5, np.float32))
+    grp = np.full(5, RANK + 1, np.float32)
+    comm.group_allreduce(grp, 2, 0, op="sum")  # the engine is idle again: inline
+    members = comm.group_of(2, 0)
+    np.testing.assert_array_equal(grp, np.full(5, sum(r + 1 for r in members), np.float32))
+    if RANK == 0:
+        assert comm.statistics()["inline_handed_over"] > before
+
+
+def test_inline_timeout_names_the_missing_ranks() -> None:
+    """A deadline shorter than the hand-over patience expires inline."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    c = wagma_comm.init(timeout=30)
+    c.barrier()  # round 0
+    if RANK == 0:
+        started = time.monotonic()
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            c.allreduce(np.ones(2, np.float32), timeout=0.005)
+        assert time.monotonic() - started < 1.0
+        err = info.value
+        assert err.collective == "allreduce" and err.round == 1
+        assert err.ranks and set(err.ranks) <= set(range(1, SIZE))
+        assert c.statistics()["failed"] == 1
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(2, np.float32))
+    WORLD.Barrier()
+    c.close(cancel=True)
