@@ -12,7 +12,7 @@ MPI_SIZES ?= 1 2 3 4 8
 MPI_TEST_TIMEOUT ?= 600
 DEMO_RANKS ?= 8
 
-.PHONY: all install test test-unit test-mpi demo bench clean
+.PHONY: all install test test-unit test-mpi soak demo bench clean
 
 all: test
 
@@ -35,6 +35,15 @@ test-mpi: $(STAMP)
 	  echo "== MPI tests on $$n ranks"; \
 	  timeout $(MPI_TEST_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py -q; \
 	done
+
+# Load/stress soak (issue #7): >= 10,000 random non-blocking collectives on
+# $(SOAK_RANKS) ranks, every result checked bitwise, RSS flat (tests/soak; not
+# part of `make test`, whose reduced version is tests/mpi/test_stress.py).
+# WAGMA_SOAK_OPS=N overrides the operation count.
+SOAK_RANKS ?= 8
+SOAK_TIMEOUT ?= 1800
+soak: $(STAMP)
+	WAGMA_TEST_DIR=tests/soak timeout $(SOAK_TIMEOUT) $(MPIEXEC) -n $(SOAK_RANKS) $(PY) tests/mpi/run.py -q
 
 # The training demo: WAGMA-SGD and the baselines on a digits classifier under
 # load imbalance (docs/training.md). Options: make demo DEMO_ARGS="--seeds 1".

@@ -118,12 +118,19 @@ def as_buffer(
             )
         if dev_type not in (DL_CUDA, DL_CUDA_MANAGED):
             raise UnsupportedError(argument, f"{name} buffers are not supported")
+    _refuse_lazy_negation(obj, argument)
     view = _parse(obj, argument, host=dev_type in _HOST_DEVICES)
-    dtype = dtypes.from_numpy(view.dtype)
+    try:
+        view_dtype = view.dtype
+    except Exception as exc:  # a DLPack type code NumPy has no dtype for (float8, ...)
+        raise BufferError(
+            argument, f"unsupported dtype ({exc}); expected one of {sorted(dtypes.BY_NAME)}"
+        ) from exc
+    dtype = dtypes.from_numpy(view_dtype)
     if dtype is None:
         raise BufferError(
             argument,
-            f"unsupported dtype {view.dtype}; expected one of {sorted(dtypes.BY_NAME)}",
+            f"unsupported dtype {view_dtype}; expected one of {sorted(dtypes.BY_NAME)}",
         )
     shape = tuple(int(s) for s in view.shape)
     strides = None if view.strides is None else tuple(int(s) for s in view.strides)
@@ -168,6 +175,15 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
             argument, "buffer is read-only but the collective writes its result in place"
         )
     return Buffer(arr, arr, None, arr.size, dtype, arr.shape, "cpu", 0)
+
+
+def _refuse_lazy_negation(obj: Any, argument: str) -> None:
+    """PyTorch marks some views as lazily negated (``x.conj().imag``) and still
+    exports the un-negated memory through DLPack: reducing it would use -x."""
+    is_neg = getattr(obj, "is_neg", None)
+    if callable(is_neg) and is_neg():
+        raise BufferError(argument, "tensor has its negative bit set (a lazily negated "
+                          "view); call .resolve_neg() first")
 
 
 def _parse(obj: Any, argument: str, *, host: bool) -> Any:

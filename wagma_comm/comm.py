@@ -9,16 +9,19 @@ of every message's identity.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import time
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import numpy as np
 
 from . import groups as groups_mod
 from .buffers import Buffer, as_buffer
-from .dtypes import UINT8, check_op
+from .dtypes import UINT8, DType, check_op
 from .errors import (
     CommunicatorClosedError,
     InvalidArgumentError,
@@ -27,6 +30,7 @@ from .errors import (
 from .runtime import debug
 from .runtime.engine import Engine, Stage, Work
 from .runtime.handle import Handle
+from .runtime.liveness import Liveness, Monitor
 from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
 from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
@@ -49,6 +53,57 @@ def _check_timeout(timeout: Any, argument: str = "timeout") -> float:
     return float(timeout)
 
 
+EXIT_DRAIN_S = 10.0
+"""At interpreter exit, a communicator that was never closed gets this long (at
+most its own timeout; ``WAGMA_EXIT_DRAIN`` overrides, in seconds) to finish
+what is in flight; whatever is left is then cancelled (see ``_close_all_at_exit``)."""
+
+_LIVE: list["Communicator"] = []  # open communicators, oldest first
+_LIVE_LOCK = threading.Lock()
+_EXIT_HOOK = False
+
+
+def _close_all_at_exit() -> None:
+    """atexit hook: close every communicator still open, newest first.
+
+    Why: the progress thread is a daemon thread, so without this an exit with
+    collectives in flight would drop them silently (or let MPI_Finalize race a
+    thread still inside MPI). Registered after mpi4py's import, so it runs
+    before mpi4py finalizes MPI. Each communicator drains for a bounded time,
+    then cancels, and says on stderr what it did: no rank blocks at exit."""
+    with _LIVE_LOCK:
+        live = list(reversed(_LIVE))
+    for comm in live:
+        try:
+            comm._close_at_exit()
+        except Exception as exc:  # noqa: BLE001 -- exit must go on for the others
+            sys.stderr.write(f"wagma_comm: closing a communicator at exit failed: {exc!r}\n")
+
+
+def _has_nan(data: np.ndarray, dtype: DType) -> bool:
+    """Whether a float buffer (kernel storage: 16-bit floats as bit patterns)
+    holds a NaN."""
+    if dtype.is_half:
+        exponent = 0x7C00 if dtype.name == "float16" else 0x7F80
+        return bool(np.any((data & 0x7FFF) > exponent))
+    return bool(np.isnan(data).any())
+
+
+def _nan_check(collective: str, op: str, buffer: Buffer) -> Callable[[], None]:
+    """The check a float max/min runs on its *result*: every member sees the
+    same NaN there and raises, after a completed collective (no sequence skew,
+    unlike a check of one rank's input)."""
+    data, dtype = buffer.host_array(), buffer.dtype
+
+    def check() -> None:
+        if _has_nan(data, dtype):
+            raise InvalidArgumentError(
+                "buf", f"{collective} with op={op!r}: a member's input contained NaN, so "
+                "the result is NaN; the buffer holds that reduced result (every member "
+                "raises this; the communicator stays usable)")
+    return check
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
@@ -64,13 +119,24 @@ class Communicator:
         self._timeout = _check_timeout(timeout)
         self._transport = transport
         self._debug = _env_flag("WAGMA_DEBUG") if debug_mode is None else debug_mode
-        self._engine = Engine(transport)
+        liveness = (Liveness(transport.rank, transport.identities)
+                    if transport.identities else None)
+        self._engine = Engine(transport, liveness=liveness)
+        self._monitor = (Monitor(liveness, self._engine.in_flight)
+                         if liveness is not None and liveness.checkable else None)
         self._lock = threading.Lock()  # sequence numbers and submission order
         self._seq = 0
         self._native_groups: set[tuple[int, ...]] = set()
         self._closed = False
         self._calls: dict[str, int] = {}
         self._partials = 0
+        self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()  # for the exit report
+        global _EXIT_HOOK
+        with _LIVE_LOCK:
+            _LIVE.append(self)
+            if not _EXIT_HOOK:
+                atexit.register(_close_all_at_exit)
+                _EXIT_HOOK = True
 
     # -- properties -----------------------------------------------------------
     @property
@@ -106,12 +172,20 @@ class Communicator:
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
         r = self.rank if rank is None else rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.size:
+            raise InvalidArgumentError("rank", f"must be an int in [0, {self.size}), got {r!r}")
         return list(groups_mod.group_of(r, self.size, group_size, step))
 
     # -- collectives ----------------------------------------------------------
     def allreduce(self, buf: Any, op: str = "sum", *, async_op: bool = False,
                   algorithm: str | None = None, timeout: float | None = None) -> Any:
-        """Reduce ``buf`` over all ranks, in place. Returns ``buf`` (or a Handle)."""
+        """Reduce ``buf`` over all ranks, in place. Returns ``buf`` (or a Handle).
+
+        ``op="max"``/``"min"`` on a float dtype: a NaN in any member's input
+        makes the result NaN on every member (bitwise the same), and then every
+        member raises ``InvalidArgumentError("buf", ...)`` after the collective
+        completed (from ``wait()`` when async); ``buf`` holds that result and
+        the communicator stays usable. ±Inf is ordered and accepted."""
         return self._reduce("allreduce", buf, tuple(range(self.size)), op, algorithm,
                             timeout, async_op, extra="")
 
@@ -119,7 +193,8 @@ class Communicator:
                         async_op: bool = False, algorithm: str | None = None,
                         timeout: float | None = None) -> Any:
         """Reduce ``buf`` within this rank's group at ``step`` (shifting groups of
-        at most ``group_size`` ranks), in place."""
+        at most ``group_size`` ranks), in place. NaN with max/min: as
+        :meth:`allreduce` (raised on every member of the group)."""
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
@@ -192,6 +267,7 @@ class Communicator:
         partial._open()
         with self._lock:
             self._calls[partial.kind] = self._calls.get(partial.kind, 0) + 1
+            self._persistent.add(partial)
         return partial
 
     def _register_partial(self) -> int:
@@ -228,9 +304,60 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+        self._forget()
         self._engine.close(cancel=cancel, timeout=self._timeout + 10.0)
         if not self._engine.alive():
             self._transport.close()
+        if self._monitor is not None:
+            self._monitor.stop()
+
+    def _forget(self) -> None:
+        with _LIVE_LOCK:
+            if self in _LIVE:
+                _LIVE.remove(self)
+
+    def _close_at_exit(self) -> None:
+        """close() for the atexit hook: drain for a bounded time, then cancel
+        (CommunicatorClosedError), reporting on stderr when anything was in
+        flight. Never blocks longer than the drain plus a few seconds."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._forget()
+        before = self._engine.statistics()
+        pending = before["in_flight"]
+        env = os.environ.get("WAGMA_EXIT_DRAIN")
+        drain = min(self._timeout, float(env) if env else EXIT_DRAIN_S)
+        where = f"wagma_comm: rank {self.rank}/{self.size}:"
+        unclosed = sorted(p.kind for p in list(self._persistent) if not p._closed)
+        if unclosed:
+            steps = sum(len(p._pending) for p in list(self._persistent) if not p._closed)
+            sys.stderr.write(f"{where} interpreter exit with {len(unclosed)} persistent "
+                             f"collective(s) not closed ({', '.join(unclosed)}); their "
+                             f"{steps} outstanding step(s) finish if their round is "
+                             "running, else fail with CommunicatorClosedError\n")
+        if pending:
+            sys.stderr.write(f"{where} interpreter exit with {pending} collective(s) in "
+                             f"flight and the communicator not closed; finishing them "
+                             f"(at most {drain:g} s), then cancelling the rest\n")
+        self._engine.close(cancel=False, timeout=drain)
+        cancelled = self._engine.alive()
+        if cancelled:
+            self._engine.close(cancel=True, timeout=5.0)
+        failed = self._engine.statistics()["failed"] - before["failed"]
+        if failed or cancelled:
+            how = ("cancelled with CommunicatorClosedError after the drain" if cancelled
+                   else "failed or timed out")
+            sys.stderr.write(f"{where} {failed} collective(s) did not complete before exit "
+                             f"({how}); call close() on every rank before exiting\n")
+        elif pending:
+            sys.stderr.write(f"{where} the {pending} collective(s) in flight completed\n")
+        sys.stderr.flush()
+        if not self._engine.alive():
+            self._transport.close()
+        if self._monitor is not None:
+            self._monitor.stop()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -286,11 +413,17 @@ class Communicator:
         sched = algorithms.compile_allreduce(self.rank, ranks, buffer.count, op, name)
         text = (f"{collective}(count={buffer.count},dtype={buffer.dtype.name},op={op}"
                 f"{extra},algorithm={name})")
-        return self._submit(collective, text, sched, buffer, deadline_s, async_op)
+        check = (_nan_check(collective, op, buffer)
+                 if op in ("max", "min") and buffer.dtype.is_float else None)
+        return self._submit(collective, text, sched, buffer, deadline_s, async_op,
+                            on_done=check)
 
     def _submit(self, collective: str, text: str, sched: Schedule, buffer: Buffer | np.ndarray,
                 timeout: float, async_op: bool, *, dtype: Any = None,
-                result: Any = ...) -> Any:
+                result: Any = ..., on_done: Callable[[], None] | None = None) -> Any:
+        """Queue one collective (or run it inline). ``on_done`` checks the
+        completed data stage and may raise a WagmaError: the engine then fails
+        the Work without breaking the communicator; inline, it is called here."""
         if isinstance(buffer, Buffer):
             data, dt, owner = buffer.host_array(), buffer.dtype, buffer.owner
         else:
@@ -304,8 +437,9 @@ class Communicator:
             if self._debug and self.size > 1:
                 stages.append(debug.fingerprint_stage(self.rank, self.size, seq,
                                                       collective, text))
-            stages.extend(self._setup_stages(sched))
-            stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt))
+            setup, requires = self._setup_stages(sched)
+            stages.extend(setup)
+            stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done))
             now = time.monotonic()
             value = owner if result is ... else result
 
@@ -313,7 +447,7 @@ class Communicator:
                 handle = Handle(collective, seq, now + timeout, self._engine.alive,
                                 self._engine.drive_until)
                 return Work(seq, collective, handle, stages, now + timeout, timeout,
-                            result=value, keepalive=buffer)
+                            result=value, keepalive=buffer, requires=requires)
 
             # A small blocking call with nothing else in flight runs right here
             # (Engine.run_inline); the claim is taken under the submission lock.
@@ -325,25 +459,36 @@ class Communicator:
                 self._engine.submit(work, wake=async_op)
         if inline:
             late = self._engine.run_inline(stages[0], seq, now + timeout, make_work)
-            return value if late is None else late.wait()
+            if late is not None:  # handed to the engine, which runs on_done
+                return late.wait()
+            if on_done is not None:
+                on_done()
+            return value
         return work.handle if async_op else work.handle.wait()
 
-    def _setup_stages(self, sched: Schedule) -> list[Stage]:
+    def _setup_stages(self, sched: Schedule) -> tuple[list[Stage], tuple[tuple[int, ...], ...]]:
         """Native collectives over a group need the group's own MPI communicator,
         created once, after a barrier over the group proves every member present
-        (so the blocking creation call cannot hang on a missing rank)."""
+        (so the blocking creation call cannot hang on a missing rank).
+
+        Returns the set-up stages this collective runs, and the groups whose
+        set-up an earlier collective runs and has not finished: the engine
+        starts this one only after they exist (Work.requires), so a native call
+        never precedes its communicator and calls on it keep their order."""
         out: list[Stage] = []
+        requires: list[tuple[int, ...]] = []
         for op in sched.ops:
-            if not isinstance(op, Native) or op.ranks in self._native_groups:
-                continue
-            self._native_groups.add(op.ranks)
-            if self._transport.has_group(op.ranks):
+            if not isinstance(op, Native) or self._transport.has_group(op.ranks):
                 continue
             ranks = op.ranks
+            if ranks in self._native_groups:
+                requires.append(ranks)
+                continue
+            self._native_groups.add(ranks)
             barrier = algorithms.compile_barrier(self.rank, ranks)
             out.append(Stage(barrier, CHANNEL_SETUP, {DATA: np.zeros(0, np.uint8)}, UINT8,
                              on_done=lambda r=ranks: self._transport.create_group(r)))
-        return out
+        return out, tuple(requires)
 
 
 def init(timeout: float | None = None, *, mpi_comm: Any = None,

@@ -108,6 +108,13 @@ class MismatchError(CollectiveError):
         )
 
 
+class RankFailedError(CollectiveError):
+    """A rank taking part in the collective died (its process is gone).
+    ``ranks`` are the dead ranks. Found by the liveness check
+    (runtime/liveness.py) without waiting for the timeout; the communicator is
+    broken afterwards, since no later collective over it can complete."""
+
+
 class TransportError(WagmaError, RuntimeError):
     """The transport (MPI, NCCL) reported an error; ``code`` is its native code."""
 
@@ -131,6 +138,7 @@ __all__: Sequence[str] = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "MismatchError",
+    "RankFailedError",
     "TransportError",
     "ScheduleError",
 ]

@@ -21,6 +21,30 @@ def _readonly() -> np.ndarray:
     return a
 
 
+class _FakeCuda:
+    """Says it lives on CUDA device 0 (DLPack device type 2) while no GPU
+    transport exists: it must be refused before anyone asks for its memory."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("exported although it should have been refused")
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)
+
+
+class _BrokenExporter(_FakeCuda):
+    """A DLPack exporter whose device query itself fails."""
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        raise RuntimeError("device query failed")
+
+
+def _bf16(n: int) -> np.ndarray:
+    import ml_dtypes
+
+    return np.ones(n, dtype=ml_dtypes.bfloat16)
+
+
 F32 = np.ones(4, dtype=np.float32)
 BAD_INPUTS: list[tuple[str, Callable[[Communicator], Any], type, str]] = [
     ("no dlpack", lambda c: c.allreduce([1.0, 2.0]), wagma_comm.BufferError, "buf"),
@@ -45,6 +69,64 @@ BAD_INPUTS: list[tuple[str, Callable[[Communicator], Any], type, str]] = [
     ("root", lambda c: c.broadcast(F32, root=SIZE), wagma_comm.InvalidArgumentError, "root"),
     ("root type", lambda c: c.broadcast(F32, root="0"), wagma_comm.InvalidArgumentError, "root"),
     ("groups size", lambda c: c.groups(0, 0), wagma_comm.InvalidArgumentError, "group_size"),
+    # huge count: 2**40 elements that do not exist (stride 0, read-only view)
+    ("huge broadcast_to", lambda c: c.allreduce(np.broadcast_to(np.ones(1, np.float32),
+                                                                (2 ** 40,))),
+     wagma_comm.BufferError, "buf"),
+    ("transposed 2-D", lambda c: c.allreduce(np.ones((3, 4), np.float32).T),
+     wagma_comm.BufferError, "buf"),
+    ("bool dtype", lambda c: c.allreduce(np.ones(4, np.bool_)), wagma_comm.BufferError, "buf"),
+    ("cuda without GPU transport", lambda c: c.allreduce(_FakeCuda()),
+     wagma_comm.UnsupportedError, "buf"),
+    ("device query fails", lambda c: c.broadcast(_BrokenExporter()),
+     wagma_comm.BufferError, "buf"),
+    ("native bfloat16 max", lambda c: c.allreduce(_bf16(4), "max", algorithm="native"),
+     wagma_comm.UnsupportedError, "algorithm"),
+    ("broadcast algorithm", lambda c: c.broadcast(F32, algorithm="ring"),
+     wagma_comm.InvalidArgumentError, "algorithm"),
+    ("group op", lambda c: c.group_allreduce(F32, 1, 0, op="median"),
+     wagma_comm.InvalidArgumentError, "op"),
+    ("group_size < 0", lambda c: c.group_allreduce(F32, -2, 0),
+     wagma_comm.InvalidArgumentError, "group_size"),
+    ("group_size float", lambda c: c.group_allreduce(F32, 1.0, 0),
+     wagma_comm.InvalidArgumentError, "group_size"),
+    ("step float", lambda c: c.group_allreduce(F32, 1, 0.5), wagma_comm.InvalidArgumentError,
+     "step"),
+    ("step bool", lambda c: c.group_allreduce(F32, 1, True), wagma_comm.InvalidArgumentError,
+     "step"),
+    ("groups step", lambda c: c.groups(1, -3), wagma_comm.InvalidArgumentError, "step"),
+    ("group_of rank", lambda c: c.group_of(1, 0, rank=SIZE), wagma_comm.InvalidArgumentError,
+     "rank"),
+    ("group_of rank < 0", lambda c: c.group_of(1, 0, rank=-1),
+     wagma_comm.InvalidArgumentError, "rank"),
+    ("timeout inf", lambda c: c.allreduce(F32, timeout=float("inf")),
+     wagma_comm.InvalidArgumentError, "timeout"),
+    ("timeout bool", lambda c: c.broadcast(F32, timeout=True),
+     wagma_comm.InvalidArgumentError, "timeout"),
+    ("timeout < 0", lambda c: c.group_allreduce(F32, 1, 0, timeout=-1.0),
+     wagma_comm.InvalidArgumentError, "timeout"),
+    ("timeout str", lambda c: c.barrier(timeout="5"), wagma_comm.InvalidArgumentError,
+     "timeout"),
+    ("init timeout", lambda c: wagma_comm.init(timeout=0.0), wagma_comm.InvalidArgumentError,
+     "timeout"),
+    ("root < 0", lambda c: c.broadcast(F32, root=-1), wagma_comm.InvalidArgumentError, "root"),
+    # persistent collectives: refused before their collective set-up starts
+    ("sync_every < 0", lambda c: c.solo_allreduce(np.zeros(2), -3),
+     wagma_comm.InvalidArgumentError, "sync_every"),
+    ("sync_every bool", lambda c: c.wait_avoiding_group_allreduce(np.zeros(2), 1, True),
+     wagma_comm.InvalidArgumentError, "sync_every"),
+    ("wagma group_size 0", lambda c: c.wait_avoiding_group_allreduce(np.zeros(2), 0, 2),
+     wagma_comm.InvalidArgumentError, "group_size"),
+    ("activation type", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, activation=None), wagma_comm.InvalidArgumentError, "activation"),
+    ("normalization case", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, normalization="WAGMA"), wagma_comm.InvalidArgumentError,
+     "normalization"),
+    ("persistent read-only", lambda c: c.majority_allreduce(_readonly(), 2),
+     wagma_comm.BufferError, "buf"),
+    ("persistent timeout nan", lambda c: c.solo_allreduce(np.zeros(2), 2,
+                                                           timeout=float("nan")),
+     wagma_comm.InvalidArgumentError, "timeout"),
 ]
 
 
@@ -69,6 +151,167 @@ def test_closed_communicator() -> None:
     with pytest.raises(wagma_comm.CommunicatorClosedError):
         c.allreduce(np.ones(2))
     c.close()  # idempotent
+
+
+USE_AFTER_CLOSE: list[tuple[str, Callable[[Communicator], Any]]] = [
+    ("allreduce", lambda c: c.allreduce(np.ones(2))),
+    ("async allreduce", lambda c: c.allreduce(np.ones(2), async_op=True)),
+    ("group_allreduce", lambda c: c.group_allreduce(np.ones(2), 1, 0)),
+    ("broadcast", lambda c: c.broadcast(np.ones(2))),
+    ("barrier", lambda c: c.barrier()),
+    ("wait_avoiding_group_allreduce", lambda c: c.wait_avoiding_group_allreduce(
+        np.ones(2), 1, 2)),
+    ("solo_allreduce", lambda c: c.solo_allreduce(np.ones(2), 2)),
+    ("majority_allreduce", lambda c: c.majority_allreduce(np.ones(2), 2)),
+]
+
+
+def test_every_entry_point_refuses_a_closed_communicator() -> None:
+    """After close() every collective and every persistent collective's
+    creation raises CommunicatorClosedError at once (nothing hangs), and so
+    does a persistent collective created before the close."""
+    c = wagma_comm.init(timeout=30)
+    w = c.wait_avoiding_group_allreduce(np.zeros(3), 1, sync_every=2)
+    solo = c.solo_allreduce(np.zeros(3), sync_every=2, op="sum")
+    for _ in range(2):  # up to and through a sync round: nothing left in flight
+        w.step(np.ones(3))
+        solo.step(np.ones(3))
+    c.close()
+    assert c.closed
+    for name, call in USE_AFTER_CLOSE:
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+            call(c)
+    for partial in (w, solo):
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+            partial.step(np.ones(3))
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+            partial.flush(np.ones(3))
+        partial.close()  # released locally: the communicator is gone
+        partial.close()
+
+
+PERSISTENT: dict[str, Callable[[Communicator, np.ndarray], Any]] = {
+    "wagma": lambda c, b: c.wait_avoiding_group_allreduce(b, 1, sync_every=3),
+    "solo": lambda c, b: c.solo_allreduce(b, sync_every=3, op="sum"),
+    "majority": lambda c, b: c.majority_allreduce(b, sync_every=3, seed=5, op="sum"),
+}
+STEP_BAD_INPUTS: list[tuple[str, Callable[[Any], Any], type, str]] = [
+    ("step count", lambda p: p.step(np.zeros(5, np.float32)), wagma_comm.InvalidArgumentError,
+     "buf"),
+    ("step dtype", lambda p: p.step(np.zeros(4, np.float64)), wagma_comm.InvalidArgumentError,
+     "buf"),
+    ("step shape 4x2", lambda p: p.step(np.zeros((4, 2), np.float32)),
+     wagma_comm.InvalidArgumentError, "buf"),
+    ("step read-only", lambda p: p.step(_readonly()), wagma_comm.BufferError, "buf"),
+    ("step strided", lambda p: p.step(np.zeros(8, np.float32)[::2]), wagma_comm.BufferError,
+     "buf"),
+    ("step list", lambda p: p.step([0.0] * 4), wagma_comm.BufferError, "buf"),
+    ("async step dtype", lambda p: p.step(np.zeros(4, np.int32), async_op=True),
+     wagma_comm.InvalidArgumentError, "buf"),
+    ("flush dtype", lambda p: p.flush(np.zeros(4, np.int64)), wagma_comm.InvalidArgumentError,
+     "buf"),
+]
+
+
+@pytest.mark.parametrize("kind", sorted(PERSISTENT))
+def test_bad_step_input_is_refused_locally_and_the_collective_goes_on(
+        comm: Communicator, kind: str) -> None:
+    """A refused step consumes no round: the valid steps that follow line up
+    with the other ranks' and give the exact results."""
+    p = PERSISTENT[kind](comm, np.zeros(4, np.float32))
+    for name, call, exc, argument in STEP_BAD_INPUTS:
+        with pytest.raises(exc) as info:
+            call(p)
+        assert info.value.argument == argument, name
+    assert p.statistics()["iteration"] == 0  # no round was consumed
+    total = np.zeros(4, np.float32)
+    for _ in range(3):  # rounds 0, 1 and the sync round 2
+        g = np.full(4, 1.0, np.float32)
+        info = p.step(g)
+        total += g
+    assert info.synchronized
+    if kind == "wagma":  # every model is 1: group averages and the mean stay 1
+        assert np.all(total == 3)
+    else:  # sums: what reached a round plus the flush is every input, once
+        final = np.zeros(4, np.float32)
+        p.flush(final)
+        assert np.all(total + final == 3 * SIZE)
+    p.close()
+
+
+NAN_MODES = ["inline", "engine", "async"]  # small blocking, large blocking, non-blocking
+
+
+def _reduce_with_nan(comm: Communicator, dtype: str, op: str, mode: str) -> np.ndarray:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    n = 40_000 if mode == "engine" else 6  # 40k elements: above the inline limit
+    a = (np.arange(n) % 50 + RANK).astype(dtype)
+    if RANK == SIZE - 1:
+        a[2] = np.nan
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        h = comm.allreduce(a, op, async_op=mode == "async")
+        if mode == "async":
+            h.wait()
+    assert info.value.argument == "buf" and "NaN" in str(info.value)
+    return a
+
+
+@pytest.mark.parametrize("mode", NAN_MODES)
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_nan_with_max_min_raises_on_every_member_and_communicator_survives(
+        comm: Communicator, dtype: str, op: str, mode: str) -> None:
+    """One rank's NaN: the reduction completes on every rank with the same
+    result bits (NaN where the NaN was, the true max/min elsewhere), then every
+    rank raises; nothing is broken and the next collective is exact."""
+    a = _reduce_with_nan(comm, dtype, op, mode)
+    assert len(set(WORLD.allgather(a.tobytes()))) == 1  # bitwise the same everywhere
+    values = a.astype(np.float64)
+    assert np.isnan(values[2]) and not np.isnan(np.delete(values, 2)).any()
+    base = np.arange(a.size) % 50
+    expected = base + (SIZE - 1 if op == "max" else 0)
+    assert np.array_equal(np.delete(values, 2), np.delete(expected, 2))
+    assert comm.statistics()["broken"] is None
+    b = np.full(3, RANK + 1.0)
+    comm.allreduce(b)
+    assert b[0] == SIZE * (SIZE + 1) / 2
+
+
+def test_nan_in_a_group_raises_on_that_group_only(comm: Communicator) -> None:
+    group_size = min(2, SIZE)
+    group = comm.group_of(group_size, 0)
+    a = np.full(5, float(RANK), np.float32)
+    if RANK == SIZE - 1:
+        a[0] = np.nan
+    if SIZE - 1 in group:
+        with pytest.raises(wagma_comm.InvalidArgumentError, match="NaN") as info:
+            comm.group_allreduce(a, group_size, 0, op="min")
+        assert info.value.argument == "buf" and np.isnan(a[0])
+    else:
+        comm.group_allreduce(a, group_size, 0, op="min")
+        assert not np.isnan(a).any()
+    assert np.all(a[1:] == min(group))
+    comm.barrier()
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_inf_with_max_min_is_ordered_and_accepted(comm: Communicator, dtype: str,
+                                                  op: str) -> None:
+    import ml_dtypes  # noqa: F401
+
+    a = np.array([1.0, 2.0, -3.0, RANK], np.float64)
+    if RANK == SIZE - 1:
+        a[:2] = [np.inf, -np.inf]
+    if RANK == 0:
+        a[2] = -np.inf if op == "min" else np.inf
+    a = a.astype(dtype)
+    inputs = np.stack(WORLD.allgather(a.astype(np.float64)))
+    comm.allreduce(a, op)
+    expected = inputs.max(axis=0) if op == "max" else inputs.min(axis=0)
+    assert np.array_equal(a.astype(np.float64), expected)
+    assert np.isinf(a.astype(np.float64)).any()
 
 
 def test_debug_reports_mismatched_calls_by_rank() -> None:

@@ -129,14 +129,22 @@ def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
 
 
 # -- solo / majority ---------------------------------------------------------------
-def _conserve(c: Any, steps: int, sleepy: bool) -> tuple[np.ndarray, list[RoundInfo], list[str]]:
+def _conserve(c: Any, steps: int, sleepy: bool,
+              max_delay_s: float = 0.0) -> tuple[np.ndarray, list[RoundInfo], list[str]]:
+    """Step ``c`` with integer gradients, flush, and assert that the sum of every
+    result (rounds plus flush) equals the sum of every rank's inputs, exactly.
+    ``sleepy``: the slow rank sleeps every third step; ``max_delay_s``: every
+    rank sleeps a random 0..max_delay_s before each step (seeded per rank)."""
     rng = np.random.default_rng(100 + RANK)
+    delays = np.random.default_rng(1000 + RANK)
     received = np.zeros(5, dtype=np.int64)
     infos, digests = [], []
     inputs = np.zeros(5, dtype=np.int64)
     for t in range(steps):
         if sleepy and RANK == SLOW and t % 3 == 0:
             time.sleep(0.003)
+        if max_delay_s:
+            time.sleep(delays.uniform(0.0, max_delay_s))
         g = rng.integers(-1000, 1000, 5)
         inputs += g
         info = c.step(g)
@@ -167,6 +175,68 @@ def test_no_contribution_is_lost_or_duplicated(comm: Communicator, kind: str) ->
         assert info.synchronized == ((t + 1) % sync_every == 0)
     assert c.statistics()["pending_steps"] == []
     c.close()
+
+
+@pytest.mark.parametrize("kind", ["solo", "majority"])
+def test_long_run_with_random_delays_loses_and_duplicates_nothing(
+        comm: Communicator, kind: str) -> None:
+    """Hundreds of rounds with every rank arriving after a random 0-3 ms: many
+    rounds run with stale contributions carried forward, yet after the final
+    flush the results sum exactly to the inputs, every rank got the same result
+    bits for every round (so replicas stay equal), and nothing is left over."""
+    steps, sync_every = 300, 7  # 300 is not a multiple: the flush carries a tail
+    make = comm.solo_allreduce if kind == "solo" else comm.majority_allreduce
+    c = make(np.zeros(5, dtype=np.int64), sync_every, op="sum")
+    _, infos, digests = _conserve(c, steps, sleepy=False, max_delay_s=0.003)
+    everyone = _gather(digests)
+    assert all(d == everyone[0] for d in everyone)
+    for t, info in enumerate(infos):
+        assert info.round == t and info.staleness < sync_every
+        if info.synchronized:  # the blocking rounds: everyone fresh
+            assert info.fresh == tuple(range(SIZE)) and (t + 1) % sync_every == 0
+    stats = c.statistics()
+    assert stats["pending_steps"] == [] and stats["uncollected_rounds"] == []
+    assert stats["rounds"] == steps + 1  # every round once, then the flush
+    assert stats["fresh_contributions"] + stats["stale_contributions"] == steps
+    if SIZE > 1:  # the delays do make rounds run without some inputs: carried
+        assert sum(_gather(stats["stale_contributions"])) > 0
+    c.close()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_wagma_long_run_replicas_agree_bitwise_after_every_sync_round(
+        comm: Communicator, scope: str) -> None:
+    """300 steps, random 0-3 ms arrival delays per rank: after each of the 30
+    synchronous rounds every replica is bitwise identical and equals the exact
+    mean of every rank's input to that step (integer-valued inputs, so the sum
+    is exact): no rank's model was dropped or counted twice."""
+    steps, sync_every, n = 300, 10, 37
+    rng = np.random.default_rng(200 + RANK)
+    delays = np.random.default_rng(2000 + RANK)
+    model = rng.integers(-50, 50, n).astype(np.float64)
+    w = comm.wait_avoiding_group_allreduce(np.zeros(n), min(2, SIZE), sync_every,
+                                           activation=scope)
+    syncs = 0
+    for t in range(steps):
+        time.sleep(delays.uniform(0.0, 0.003))
+        sync = (t + 1) % sync_every == 0
+        if sync:
+            model = np.rint(model)  # integer-valued inputs: an exact global sum
+            inputs = np.stack(_gather(model.copy()))
+        info = w.step(model)
+        assert info.synchronized == sync and info.staleness < sync_every
+        if sync:
+            syncs += 1
+            assert info.fresh == tuple(range(SIZE)) and info.staleness == 0
+            assert len(set(_gather(_digest(model)))) == 1, t
+            assert np.array_equal(model, inputs.sum(axis=0) / SIZE), t
+        model += rng.integers(-3, 4, n)  # "optimizer step"
+    assert syncs == steps // sync_every
+    stats = w.statistics()
+    assert stats["max_staleness"] < sync_every
+    if SIZE > 1:  # rounds did run on stale published models
+        assert sum(_gather(stats["stale_contributions"])) > 0
+    w.close()
 
 
 def test_slow_rank_gradients_land_in_later_rounds(comm: Communicator) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -27,13 +27,17 @@ from ..dtypes import DType
 from ..errors import (
     CollectiveTimeoutError,
     CommunicatorClosedError,
+    RankFailedError,
     TransportError,
     WagmaError,
 )
-from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
+from ..schedule.ir import DATA, Native, Recv, Schedule, Send
 from ..transport.base import Transport
 from .handle import Handle
 from .inline import DONE, EXPIRED, InlineState, execute, post_native, run_local, view
+from .liveness import Liveness
+from .pool import ScratchPool
+from .watch import Watch, timeout_error
 
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
 # only after this long without any completion fall back to short sleeps, so a
@@ -43,7 +47,6 @@ _MAX_SLEEP_S = 1e-3
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
 
-_POOL_LIMIT_BYTES = 512 << 20
 _PLAN_CACHE_LIMIT = 4096
 
 
@@ -79,6 +82,9 @@ class Work:
     # Called on the progress thread with (result, error) just before the
     # handle completes: how services learn that a round they started finished.
     on_complete: Callable[[Any, BaseException | None], None] | None = None
+    # Groups whose native communicator an earlier Work is still creating: this
+    # one may start only once they exist (Communicator._setup_stages).
+    requires: tuple[tuple[int, ...], ...] = ()
 
 
 class Service(Protocol):
@@ -97,10 +103,11 @@ class _Run:
     """Execution state of the current stage of one Work."""
 
     __slots__ = ("work", "stage_index", "stage", "ops", "succ", "remaining", "ready",
-                 "completed", "posted", "arrays", "borrowed")
+                 "completed", "posted", "arrays", "borrowed", "warned")
 
     def __init__(self, work: Work) -> None:
         self.work = work
+        self.warned = False  # the watchdog logged this run already
         self.stage_index = -1
         self.borrowed: list[np.ndarray] = []
         self.ready: deque[int] = deque()
@@ -136,33 +143,13 @@ def _plan(schedule: Schedule) -> _Plan:
     return tuple(tuple(s) for s in succ), indegree, first
 
 
-class _ScratchPool:
-    """Reuses scratch arrays: fresh large allocations page-fault on every call."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[np.dtype, int], list[np.ndarray]] = {}
-        self._bytes = 0
-
-    def take(self, dtype: np.dtype, count: int) -> np.ndarray:
-        stack = self._free.get((dtype, count))
-        if stack:
-            arr = stack.pop()
-            self._bytes -= arr.nbytes
-            return arr
-        return np.empty(count, dtype=dtype)
-
-    def give(self, arr: np.ndarray) -> None:
-        if self._bytes + arr.nbytes > _POOL_LIMIT_BYTES:
-            return
-        self._free.setdefault((arr.dtype, arr.size), []).append(arr)
-        self._bytes += arr.nbytes
-
-
 class Engine:
     """Owns the progress thread of one communicator."""
 
-    def __init__(self, transport: Transport, name: str = "wagma-progress") -> None:
+    def __init__(self, transport: Transport, name: str = "wagma-progress",
+                 liveness: Liveness | None = None) -> None:
         self._transport = transport
+        self._watch = Watch(liveness)
         self._cv = threading.Condition()
         self._incoming: deque[Work] = deque()
         self._waiting: deque[Work] = deque()  # held back by the sequence window
@@ -170,7 +157,7 @@ class Engine:
         self._requests: list[Any] = []
         self._owners: list[tuple[_Run, int]] = []
         self._plans: dict[int, tuple[Schedule, Any]] = {}
-        self._pool = _ScratchPool()
+        self._pool = ScratchPool()
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
         self._woken = False
@@ -254,9 +241,13 @@ class Engine:
             self._cv.notify()
         self._thread.join(timeout)
 
+    def in_flight(self) -> int:
+        """Collectives submitted and not finished (thread-safe enough: lengths)."""
+        return len(self._active) + len(self._incoming) + len(self._waiting)
+
     def statistics(self) -> dict[str, int]:
         stats = dict(self._stats)
-        stats["in_flight"] = len(self._active) + len(self._incoming) + len(self._waiting)
+        stats["in_flight"] = self.in_flight()
         return stats
 
     # -- progress thread ------------------------------------------------------
@@ -322,7 +313,7 @@ class Engine:
                 progressed |= self._advance(run)
             progressed |= self._poll()
         except TransportError as exc:
-            self._break(exc)
+            self._transport_failed(exc)
             return True
         self._check_deadlines()
         return progressed
@@ -420,14 +411,23 @@ class Engine:
             self._stats["inline_handed_over"] += 1
             return work.handle
         except BaseException as exc:
-            for req in state.posted.values():
-                self._transport.abandon(req)
+            failure: BaseException = exc
+            if isinstance(exc, TransportError):
+                dead = self._watch.dead_among(sched.ranks, settle=True)
+                if dead is not None:  # MPI's error is how the death showed
+                    work = make_work()
+                    failure = dead(work.collective, work.seq)
+            if not isinstance(failure, RankFailedError):  # see _finish
+                for req in state.posted.values():
+                    self._transport.abandon(req)
             self._abandoned.append(arrays)  # MPI may still touch them
             state.posted.clear()
             self._stats["failed"] += 1
-            if isinstance(exc, TransportError):
-                self._break(exc)
-            raise
+            if isinstance(failure, (TransportError, RankFailedError)):
+                self._break(failure)
+            if failure is exc:
+                raise
+            raise failure from exc
         finally:
             stats = self._stats
             stats["messages_sent"] += state.sent
@@ -483,6 +483,8 @@ class Engine:
                          default=work.seq)
             if work.seq - oldest >= window:
                 break  # would reuse a live message identity: wait
+            if work.requires and not all(map(self._transport.has_group, work.requires)):
+                break  # its group's communicator is still being created: wait
             self._waiting.popleft()
             run = _Run(work)
             self._active.append(run)
@@ -640,8 +642,12 @@ class Engine:
         if run in self._active:
             self._active.remove(run)
         if run.posted:  # failed with requests outstanding: drop them
-            for req in run.posted.values():
-                self._transport.abandon(req)
+            # Cancel them, except when a peer died: MPICH crashes cancelling
+            # requests to a dead process (seen: SIGSEGV in MPI_Cancel), and
+            # nothing will use this communicator again anyway.
+            if not isinstance(error, RankFailedError):
+                for req in run.posted.values():
+                    self._transport.abandon(req)
             self._abandoned.append(run.work.keepalive)
             self._abandoned.extend(run.borrowed)
             pairs = [(r, o) for r, o in zip(self._requests, self._owners)
@@ -660,19 +666,47 @@ class Engine:
         run.work.handle._complete(result, error)
 
     def _check_deadlines(self) -> None:
+        """Timeouts, the watchdog and dead peers (runtime/watch.py). Both
+        break the communicator: late messages of an abandoned round could
+        match a later one, and a dead rank never comes back."""
+        if self._waiting:
+            self._expire_waiting()
         if not self._active:
             return
+        dead = None
+        for run, error in self._watch.scan(list(self._active)):
+            self._finish(run, error=error)
+            self.broken = self.broken or error
+            if isinstance(error, RankFailedError):
+                dead = error
+        if dead is not None:
+            self._fail_all(dead)
+            self._stop_services(dead)
+
+    def _expire_waiting(self) -> None:
+        """Work that could not even start by its deadline (held back by the
+        sequence window or a group still being created) fails too."""
         now = time.monotonic()
-        for run in list(self._active):
-            if now > run.work.deadline:
-                error = self._timeout_error(run)
-                self._finish(run, error=error)
-                self.broken = self.broken or error
+        while self._waiting and now > self._waiting[0].deadline:
+            work = self._waiting.popleft()
+            self._stats["failed"] += 1
+            work.handle._complete(None, CollectiveTimeoutError(
+                work.collective, work.seq, (),
+                f"timed out after {work.timeout:g} s before it could start (an earlier "
+                "collective or its group's set-up had not finished)"))
 
-    def _timeout_error(self, run: _Run) -> CollectiveTimeoutError:
-        return timeout_error(run.work, run.stage, run.ops, run.posted)
+    def _transport_failed(self, exc: TransportError) -> None:
+        """MPI reported an error: if a peer is gone, that is what it means, and
+        every run says so (RankFailedError); else the transport itself broke."""
+        failed = self._watch.dead_peers(list(self._active), settle=True)
+        if not failed:
+            self._break(exc)
+            return
+        for run, error in failed:
+            self._finish(run, error=error)
+        self._break(failed[0][1])
 
-    def _break(self, error: TransportError) -> None:
+    def _break(self, error: WagmaError) -> None:
         self.broken = self.broken or error
         self._fail_all(error)
         self._stop_services(error)
@@ -690,30 +724,6 @@ class Engine:
             work = self._waiting.popleft()
             self._stats["failed"] += 1
             work.handle._complete(None, error)
-
-
-def timeout_error(work: Work, stage: Stage, ops: Sequence[Any],
-                  posted: dict[int, Any]) -> CollectiveTimeoutError:
-    """The error of ``work`` timed out in ``stage`` with ``posted`` (op index ->
-    request) outstanding: it names the ranks it still waited for."""
-    waiting = sorted({ops[i].peer for i in posted if isinstance(ops[i], Recv)})
-    if not waiting:
-        waiting = sorted({r for i in posted for r in _peers_of(ops[i], stage.schedule.rank)})
-    what = {"debug": "debug fingerprint exchange", "setup": "group set-up"}.get(
-        stage.channel, stage.label or "data exchange")
-    return CollectiveTimeoutError(
-        work.collective, work.seq, waiting,
-        f"timed out after {work.timeout:g} s in its {what}, "
-        f"still waiting for messages from {len(waiting)} rank(s)",
-    )
-
-
-def _peers_of(op: Any, rank: int) -> Sequence[int]:
-    if isinstance(op, (Send, Recv)):
-        return (op.peer,)
-    if isinstance(op, Native):
-        return tuple(r for r in op.ranks if r != rank)
-    return ()
 
 
 __all__ = ["Engine", "Stage", "Work", "DATA"]

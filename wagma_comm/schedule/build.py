@@ -183,7 +183,7 @@ class ScheduleBuilder:
                *, after: Iterable[int] = ()) -> int:
         """A whole collective run by the transport as one call over ``ranks``."""
         members = tuple(ranks)
-        _check_native(kind, op, members, root, self.rank, self.ranks)
+        check_native(kind, op, members, root, self.rank, self.ranks)
         return self._add(Native(kind, buf, op, members, root), after)
 
     def build(self) -> Schedule:
@@ -232,7 +232,7 @@ def check_op_slots(op: Op, sizes: dict[str, int], where: str) -> None:
         raise ScheduleError(f"{where}: src and dst overlap")
 
 
-def _check_native(kind: str, op: str, members: tuple[int, ...], root: int, rank: int,
+def check_native(kind: str, op: str, members: tuple[int, ...], root: int, rank: int,
                   ranks: tuple[int, ...]) -> None:
     if kind not in NATIVE_KINDS:
         raise ScheduleError(f"native: kind must be one of {NATIVE_KINDS}, got {kind!r}")

@@ -122,6 +122,17 @@ def reads(op: Op) -> tuple[Slot, ...]:
     return ()
 
 
+def moved(op: Op) -> Slot:
+    """The one slot a communication op (Send, Recv or Native) moves."""
+    if isinstance(op, Send):
+        return op.src
+    if isinstance(op, Recv):
+        return op.dst
+    if isinstance(op, Native):
+        return op.buf
+    raise TypeError(f"{type(op).__name__} moves nothing")
+
+
 def writes(op: Op) -> tuple[Slot, ...]:
     """The slots an operation writes."""
     if isinstance(op, (Recv,)):

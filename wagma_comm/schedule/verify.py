@@ -28,9 +28,9 @@ from typing import Any, Iterable, Sequence
 from ..dtypes import OPS
 from ..errors import ScheduleError
 from .algorithms import compile_group
-from .build import MAX_MSG, NATIVE_KINDS, HazardTracker, check_op_slots
+from .build import MAX_MSG, HazardTracker, check_native, check_op_slots
 from .export import op_label
-from .ir import DATA, Copy, Native, Op, Recv, Reduce, Scale, Schedule, Send, Slot
+from .ir import DATA, moved, Copy, Native, Op, Recv, Reduce, Scale, Schedule, Send, Slot
 
 COLLECTIVES = ("allreduce", "broadcast", "barrier")
 # An interned node: ("reduce", op, a, b) with a <= b, ("native", op, sorted
@@ -134,6 +134,10 @@ def _check_structure(s: Schedule) -> None:
     """Deps point backwards, slots are in bounds, peers are other members."""
     if len(s.deps) != len(s.ops):
         raise ScheduleError(f"rank {s.rank}: {len(s.ops)} ops but {len(s.deps)} dep lists")
+    names = [name for name, _ in s.scratch]
+    if DATA in names or len(set(names)) != len(names):
+        raise ScheduleError(f"rank {s.rank}: scratch buffers {names} must be distinct and "
+                            f"not named {DATA!r}")
     sizes = {DATA: s.count, **s.scratch_sizes}
     for i, (op, deps) in enumerate(zip(s.ops, s.deps)):
         where = f"rank {s.rank} op {i} ({type(op).__name__})"
@@ -154,9 +158,10 @@ def _check_fields(op: Op, s: Schedule, where: str) -> None:
     elif isinstance(op, Scale) and op.divisor < 1:
         raise ScheduleError(f"{where}: divisor {op.divisor} < 1")
     elif isinstance(op, Native):
-        if op.kind not in NATIVE_KINDS or s.rank not in op.ranks \
-                or not set(op.ranks) <= set(s.ranks):
-            raise ScheduleError(f"{where}: native {op.kind!r} over {op.ranks} is malformed")
+        try:
+            check_native(op.kind, op.op, op.ranks, op.root, s.rank, s.ranks)
+        except ScheduleError as exc:
+            raise ScheduleError(f"{where}: {exc}") from None
     elif not isinstance(op, (Reduce, Copy, Scale)):
         raise ScheduleError(f"{where}: unknown op type {type(op).__name__}")
 
@@ -177,7 +182,7 @@ def _match_messages(group: _Group) -> dict[int, int]:
         rg = recvs.get(key)
         if rg is None:
             raise ScheduleError(f"{group.where(sg)} has no matching Recv on rank {key[1]}")
-        sc, rc = _slot(group.op_at(sg)).count, _slot(group.op_at(rg)).count
+        sc, rc = moved(group.op_at(sg)).count, moved(group.op_at(rg)).count
         if sc != rc:
             raise ScheduleError(f"{group.where(sg)} sends {sc} elements but "
                                 f"{group.where(rg)} receives {rc}")
@@ -186,16 +191,6 @@ def _match_messages(group: _Group) -> dict[int, int]:
         if key not in sends:
             raise ScheduleError(f"{group.where(rg)} has no matching Send on rank {key[0]}")
     return pairs
-
-
-def _slot(op: Op) -> Slot:
-    """The one slot a Send, Recv or Native moves."""
-    if isinstance(op, Send):
-        return op.src
-    if isinstance(op, Recv):
-        return op.dst
-    assert isinstance(op, Native)
-    return op.buf
 
 
 def _put(table: dict[tuple[int, int, int], int], key: tuple[int, int, int], gid: int,
@@ -415,7 +410,7 @@ class _Machine:
 
     def _native(self, event: list[int], first: Native) -> None:
         owners = [self.group.owner[g] for g in event]
-        slots = [_slot(self.group.op_at(g)) for g in event]
+        slots = [moved(self.group.op_at(g)) for g in event]
         inputs = [self.read(g, p, sl) for g, p, sl in zip(event, owners, slots)]
         if first.kind == "broadcast":
             out = inputs[owners.index(self.group.pos[first.root])]

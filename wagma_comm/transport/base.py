@@ -31,6 +31,8 @@ class Transport(ABC):
     name: str
     rank: int
     size: int
+    # (host, pid) of every rank when the transport knows them (liveness check)
+    identities: list[tuple[str, int]] | None = None
 
     @property
     @abstractmethod

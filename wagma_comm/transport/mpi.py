@@ -15,11 +15,17 @@ from mpi4py import MPI
 
 from ..dtypes import DType
 from ..errors import TransportError
+from ..runtime.liveness import identity
 from .base import CHANNELS, Transport
 
 MSG_BITS = 15  # messages per peer per collective: the schedule builder enforces it
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+
+
+class _SendRequest(MPI.Request):
+    """The request of a send, told apart from receives by :meth:`MPITransport.abandon`
+    (same MPI handle, wrapped once when the send is posted)."""
 
 
 class MPITransport(Transport):
@@ -31,6 +37,9 @@ class MPITransport(Transport):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # (host, pid) of every rank, for the liveness check; init is
+        # collective already (the Dup calls above), so this cannot hang alone.
+        self.identities = comm.allgather(identity())
         tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
         # Group creation gets a communicator of its own: Create_group's tag
@@ -47,7 +56,7 @@ class MPITransport(Transport):
         return ((seq % self._window) << MSG_BITS) | msg
 
     def isend(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
-        return self._comms[channel].Isend(array, peer, self._tag(seq, msg))
+        return _SendRequest(self._comms[channel].Isend(array, peer, self._tag(seq, msg)))
 
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         return self._comms[channel].Irecv(array, peer, self._tag(seq, msg))
@@ -122,6 +131,12 @@ class MPITransport(Transport):
         return done or []
 
     def abandon(self, request: Any) -> None:
+        # Receives only. Cancelling a send is deprecated (MPI-4) and MPICH 5.0
+        # segfaults cancelling a large (rendezvous) send in flight, as
+        # close(cancel=True) did. An abandoned send may still finish in the
+        # background; the engine keeps its buffer alive.
+        if isinstance(request, _SendRequest):
+            return
         try:
             request.Cancel()
         except MPI.Exception:

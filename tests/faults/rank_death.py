@@ -1,0 +1,92 @@
+"""One rank is killed (SIGKILL) in the middle of a collective; the survivors
+must fail with a typed error naming the collective, the round and the dead
+rank, within the timeout, and the job must end.
+
+Run under ``mpiexec -disable-auto-cleanup`` (else MPICH's launcher kills the
+survivors itself) by tests/unit/test_rank_death.py:
+
+    mpiexec -disable-auto-cleanup -n 4 python tests/faults/rank_death.py CASE VICTIM TIMEOUT OUTDIR
+
+Each survivor writes OUTDIR/rank<r>.json: what it raised and when.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import wagma_comm
+
+CASE, VICTIM, TIMEOUT, OUT = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+
+
+def die_soon(delay: float) -> None:
+    """Kill this process ``delay`` seconds from now, from another thread, so
+    the main thread is inside the collective when it happens."""
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def record(comm: wagma_comm.Communicator, call: Callable[[], Any]) -> None:
+    """Run ``call``, which must fail; write what it raised."""
+    started = time.monotonic()
+    result: dict[str, Any] = {"rank": comm.rank}
+    try:
+        call()
+        result["error"] = None
+    except wagma_comm.WagmaError as exc:
+        result.update(error=type(exc).__name__, message=str(exc),
+                      collective=getattr(exc, "collective", None),
+                      round=getattr(exc, "round", None),
+                      ranks=list(getattr(exc, "ranks", ())))
+    result["elapsed"] = time.monotonic() - started
+    with open(os.path.join(OUT, f"rank{comm.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    comm = wagma_comm.init(timeout=TIMEOUT)
+    me, size = comm.rank, comm.size
+    comm.barrier()  # round 0: everybody is up
+    big = np.ones(4 << 20, np.float32)  # 16 MiB: many ring steps, so "in the middle"
+    victim = me == VICTIM
+    if CASE == "allreduce":  # round 1
+        if victim:
+            die_soon(0.02)
+        record(comm, lambda: comm.allreduce(big, algorithm="ring"))
+    elif CASE == "group_allreduce":  # round 1; then a global allreduce, round 2
+        if victim:
+            die_soon(0.02)
+
+        def both() -> None:
+            comm.group_allreduce(big, 2, 0, algorithm="ring")
+            comm.allreduce(np.ones(4, np.float32))
+        record(comm, both)
+    elif CASE in ("wait_avoiding", "sync_round"):
+        model = np.zeros(1 << 16, np.float32)
+        sync_every = 1000 if CASE == "wait_avoiding" else 4
+        wagma = comm.wait_avoiding_group_allreduce(model, group_size=2, sync_every=sync_every)
+        for _ in range(3):  # group rounds that complete
+            wagma.step(model)
+        if victim:  # dies inside the 4th step: a group round, or the synchronous one
+            die_soon(0.01)
+
+        def steps() -> None:
+            for _ in range(200):
+                wagma.step(model)
+                time.sleep(0.005)
+        record(comm, steps)
+    else:
+        raise SystemExit(f"unknown case {CASE!r}")
+    if victim:
+        time.sleep(60)  # the timer kills us first
+
+
+if __name__ == "__main__":
+    main()

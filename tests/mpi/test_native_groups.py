@@ -1,0 +1,29 @@
+"""Native collectives over groups: a call never precedes its group's MPI
+communicator, and calls on one group keep their order (Work.requires)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from wagma_comm import Communicator
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_back_to_back_async_native_calls_on_a_new_group(comm: Communicator, step: int) -> None:
+    """The second call's group is still being created by the first call when
+    it is submitted (it used to fail with KeyError, or mismatch its order)."""
+    if SIZE < 3:
+        pytest.skip("needs a group smaller than the world")
+    group_size = 2
+    members = comm.group_of(group_size, step + 5)  # a partition no other test used
+    bufs = [np.full(7, (RANK + 1) * (k + 1), np.float32) for k in range(4)]
+    handles = [comm.group_allreduce(b, group_size, step + 5, "sum", async_op=True,
+                                    algorithm="native") for b in bufs]
+    for k, h in enumerate(handles):
+        h.wait()
+        expected = sum((r + 1) * (k + 1) for r in members)
+        np.testing.assert_array_equal(bufs[k], np.full(7, expected, np.float32))

@@ -1,0 +1,90 @@
+"""kill -9 of one rank in the middle of a collective (issue #7, item 1).
+
+Each case runs tests/faults/rank_death.py on 4 ranks under ``mpiexec
+-disable-auto-cleanup``: without it MPICH's launcher kills every survivor at
+once (the job ends, but nobody can say why). With it, the launcher notifies
+survivors with SIGUSR1, whose default action also kills them, so each rank runs
+as ``sh -c "trap '' USR1; python ...; echo $? > status<rank>"`` (docs/reliability.md
+says the same to users).
+
+Every survivor must end in one of two attributable ways, and the job must end
+well within twice the timeout:
+
+* it raised RankFailedError naming the collective, the round and the victim,
+  within 2 x the timeout (its JSON report), then exited with code 3 and a
+  message (MPI_Finalize would wait for the dead rank);
+* it was stuck inside MPI and the liveness monitor ended it with that message
+  and exit code 3.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MPIEXEC = Path(sys.executable).with_name("mpiexec")
+SCENARIO = ROOT / "tests" / "faults" / "rank_death.py"
+RANKS, VICTIM, TIMEOUT_S = 4, 2, 5.0
+EXIT_CODE = 3  # wagma_comm.runtime.liveness.EXIT_CODE
+
+# case -> (collective that fails first on the victim's peers, its round)
+CASES = {
+    "allreduce": ("allreduce", 1),
+    "group_allreduce": ("group_allreduce", 1),
+    "wait_avoiding": (None, None),
+    "sync_round": (None, None),
+}
+
+pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed")
+
+
+def run_case(case: str, out: Path) -> tuple[float, str, dict[int, dict]]:
+    command = (f"trap '' USR1; {sys.executable} {SCENARIO} {case} {VICTIM} {TIMEOUT_S} "
+               f"{out}; echo $? > {out}/status$PMI_RANK")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(RANKS), "sh", "-c", command],
+        capture_output=True, text=True, timeout=20 * TIMEOUT_S, cwd=ROOT)
+    elapsed = time.monotonic() - started
+    outcomes: dict[int, dict] = {}
+    for r in range(RANKS):
+        report = out / f"rank{r}.json"
+        status = out / f"status{r}"
+        outcomes[r] = {
+            "report": json.loads(report.read_text()) if report.exists() else None,
+            "status": int(status.read_text()) if status.exists() else None,
+        }
+    return elapsed, proc.stderr, outcomes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rank_death_ends_the_job_and_says_why(case: str, tmp_path: Path) -> None:
+    elapsed, stderr, outcomes = run_case(case, tmp_path)
+    print(case, f"{elapsed:.1f}s", json.dumps(outcomes, indent=1), stderr[-2000:])
+    # MPI start-up takes a few seconds on this machine: the bound is 2 x timeout
+    # after start-up, which itself is well under the timeout.
+    assert elapsed < 3 * TIMEOUT_S + 10
+    assert outcomes[VICTIM]["report"] is None and outcomes[VICTIM]["status"] == 128 + 9
+    collective, round_ = CASES[case]
+    for r, outcome in outcomes.items():
+        if r == VICTIM:
+            continue
+        report, status = outcome["report"], outcome["status"]
+        assert status == EXIT_CODE, (r, outcome)
+        assert f"rank {r} exits (code {EXIT_CODE})" in stderr
+        if report is None:
+            continue  # stuck inside MPI: the monitor ended it
+        assert report["error"] == "RankFailedError", report
+        assert VICTIM in report["ranks"], report
+        assert report["elapsed"] < 2 * TIMEOUT_S, report
+        if collective is not None:
+            assert report["collective"] in (collective, "allreduce"), report
+            assert report["round"] >= round_, report
+        else:
+            assert report["collective"] in ("wait_avoiding_group_allreduce", "allreduce")

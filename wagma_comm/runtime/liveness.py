@@ -1,0 +1,155 @@
+"""Liveness of peer ranks, from what the operating system already knows.
+
+Why: MPI libraries do not survive a peer's death. When a rank is killed its
+peers' receives simply never complete, and the only signal left is the
+collective's timeout (minutes by default). Ranks on the same host can be
+checked for free and at once: every rank publishes (host, pid) at start-up, and
+a process that is gone, or a zombie its launcher has not reaped yet, is dead.
+The engine asks every ``PERIOD_S`` while collectives are in flight and fails
+them with RankFailedError naming the dead ranks.
+
+Ranks on other hosts cannot be checked this way; for them the timeout error
+still names the ranks that did not take part (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Iterable, Sequence
+
+PERIOD_S = 0.5  # between two looks at /proc
+GRACE_S = 2.0  # a death seen, collectives still in flight this long after: stuck in MPI
+EXIT_CODE = 3  # what a rank exits with when a dead peer leaves it no way out
+
+
+def identity() -> tuple[str, int]:
+    """This process's (host, pid), as published to the peers."""
+    return socket.gethostname(), os.getpid()
+
+
+def process_gone(pid: int) -> bool:
+    """True if ``pid`` no longer runs: no such process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here (not Linux): fall back to a signal probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces).
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state in (b"Z", b"X", b"x")
+
+
+class Liveness:
+    """Dead-rank detection for one communicator. ``peers[r]`` is rank r's
+    (host, pid); only ranks on this rank's host can be judged."""
+
+    def __init__(self, rank: int, peers: Sequence[tuple[str, int]]) -> None:
+        self.rank = rank
+        host = peers[rank][0]
+        self._local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
+        self._dead: set[int] = set()
+
+    @property
+    def checkable(self) -> frozenset[int]:
+        """The ranks whose death this rank can see."""
+        return frozenset(self._local)
+
+    def dead(self, ranks: Iterable[int]) -> list[int]:
+        """The ranks among ``ranks`` known to be dead (a death is final)."""
+        found = []
+        for r in ranks:
+            if r in self._dead:
+                found.append(r)
+            elif r in self._local and process_gone(self._local[r]):
+                self._dead.add(r)
+                found.append(r)
+                _record_death(self)
+        return sorted(found)
+
+    def describe_dead(self) -> str:
+        return ", ".join(self.describe(r) for r in sorted(self._dead))
+
+    def describe(self, rank: int) -> str:
+        pid = self._local.get(rank)
+        return f"rank {rank}" if pid is None else f"rank {rank} (pid {pid})"
+
+
+class Monitor:
+    """Makes a dead peer end this process instead of hanging it.
+
+    The engine's own check (runtime/watch.py) fails in-flight collectives with
+    RankFailedError, but only while its driver gets to run: an MPI library that
+    cannot survive a peer's death may block inside a call. This daemon thread
+    looks every PERIOD_S; once a same-host peer is gone, if collectives are
+    still in flight GRACE_S later, it prints why and exits the process with
+    EXIT_CODE. It also keeps the exit itself from blocking: MPI_Finalize waits
+    for dead peers, so after a death is seen the interpreter's exit skips it.
+    """
+
+    def __init__(self, liveness: Liveness, in_flight: Callable[[], int]) -> None:
+        self._liveness = liveness
+        self._in_flight = in_flight
+        self._stop = threading.Event()
+        self.dead: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="wagma-liveness", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        seen_at = 0.0
+        while not self._stop.wait(PERIOD_S):
+            if not self.dead:
+                self.dead = self._liveness.dead(self._liveness.checkable)
+                seen_at = time.monotonic()
+            elif time.monotonic() - seen_at > GRACE_S and self._in_flight() > 0:
+                _exit(self._liveness, f"collectives are still in flight {GRACE_S:g} s after "
+                      "the death was seen (blocked inside MPI)")
+
+
+_DEATHS: list[Liveness] = []  # those that saw a peer die, in order
+
+
+def _record_death(liveness: Liveness) -> None:
+    """From the first death seen on, the interpreter's exit skips MPI_Finalize
+    (which would wait for the dead peer): registered now, after mpi4py's own
+    exit hook, so it runs first."""
+    if not _DEATHS:
+        atexit.register(_exit_without_finalize)
+    if liveness not in _DEATHS:
+        _DEATHS.append(liveness)
+
+
+def _exit_without_finalize() -> None:
+    if _DEATHS:
+        _exit(_DEATHS[0], "skipping MPI_Finalize, which would wait for it")
+
+
+def _exit(liveness: Liveness, why: str) -> None:
+    sys.stderr.write(f"wagma_comm: rank {liveness.rank} exits (code {EXIT_CODE}): "
+                     f"{liveness.describe_dead()} is gone (killed or exited) and MPI "
+                     f"cannot go on; {why}\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 -- exiting regardless
+            pass
+    os._exit(EXIT_CODE)
+
+
+__all__ = ["Liveness", "Monitor", "PERIOD_S", "GRACE_S", "EXIT_CODE", "identity",
+           "process_gone"]
