@@ -93,9 +93,9 @@ class Monitor:
     The engine's own check (runtime/watch.py) fails in-flight collectives with
     RankFailedError, but only while its driver gets to run: an MPI library that
     cannot survive a peer's death may block inside a call. This daemon thread
-    looks every PERIOD_S; once a same-host peer is gone, if collectives are
-    still in flight GRACE_S later, it prints why and exits the process with
-    EXIT_CODE. It also keeps the exit itself from blocking: MPI_Finalize waits
+    looks every PERIOD_S while collectives are in flight; once a same-host peer
+    is gone, if collectives are still in flight GRACE_S later, it prints why and
+    exits the process with EXIT_CODE. It also keeps the exit itself from blocking: MPI_Finalize waits
     for dead peers, so after a death is seen the interpreter's exit skips it.
     """
 
@@ -114,6 +114,10 @@ class Monitor:
         seen_at = 0.0
         while not self._stop.wait(PERIOD_S):
             if not self.dead:
+                # Only while something is in flight: peers of a healthy job
+                # exit at different times, and an idle rank has nothing to fear.
+                if self._in_flight() == 0:
+                    continue
                 self.dead = self._liveness.dead(self._liveness.checkable)
                 seen_at = time.monotonic()
             elif time.monotonic() - seen_at > GRACE_S and self._in_flight() > 0:
