@@ -437,7 +437,7 @@ class Communicator:
             if self._debug and self.size > 1:
                 stages.append(debug.fingerprint_stage(self.rank, self.size, seq,
                                                       collective, text))
-            setup, requires = self._setup_stages(sched)
+            setup, requires, creates = self._setup_stages(sched)
             stages.extend(setup)
             stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done))
             now = time.monotonic()
@@ -447,18 +447,24 @@ class Communicator:
                 handle = Handle(collective, seq, now + timeout, self._engine.alive,
                                 self._engine.drive_until)
                 return Work(seq, collective, handle, stages, now + timeout, timeout,
-                            result=value, keepalive=buffer, requires=requires)
+                            result=value, keepalive=buffer, requires=requires,
+                            creates=creates,
+                            on_complete=self._forget_failed_setup if creates else None)
 
             # A small blocking call with nothing else in flight runs right here
-            # (Engine.run_inline); the claim is taken under the submission lock.
-            inline = (not async_op and len(stages) == 1 and data.nbytes <= INLINE_MAX_BYTES
-                      and self._engine.try_inline())
-            if not inline:
+            # (Engine.run_inline). The claim is taken under the submission lock
+            # and run_inline releases it whatever happens, so nothing may come
+            # between them: other threads' submissions wait for at most the
+            # inline run's patience (20 ms) before it hands over to the engine.
+            inline = (not async_op and len(stages) == 1 and not requires
+                      and data.nbytes <= INLINE_MAX_BYTES and self._engine.try_inline())
+            if inline:
+                late = self._engine.run_inline(stages[0], seq, now + timeout, make_work)
+            else:
                 work = make_work()
                 # A blocking call drives its own work: no need to wake the thread.
                 self._engine.submit(work, wake=async_op)
         if inline:
-            late = self._engine.run_inline(stages[0], seq, now + timeout, make_work)
             if late is not None:  # handed to the engine, which runs on_done
                 return late.wait()
             if on_done is not None:
@@ -466,17 +472,28 @@ class Communicator:
             return value
         return work.handle if async_op else work.handle.wait()
 
-    def _setup_stages(self, sched: Schedule) -> tuple[list[Stage], tuple[tuple[int, ...], ...]]:
+    def _forget_failed_setup(self, result: Any, error: BaseException | None) -> None:
+        """on_complete of a collective that set up group communicators: if it
+        failed before creating them, the next call on the group sets up again."""
+        if error is not None:
+            for ranks in list(self._native_groups):
+                if not self._transport.has_group(ranks):
+                    self._native_groups.discard(ranks)
+
+    def _setup_stages(self, sched: Schedule) -> tuple[
+            list[Stage], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
         """Native collectives over a group need the group's own MPI communicator,
         created once, after a barrier over the group proves every member present
         (so the blocking creation call cannot hang on a missing rank).
 
-        Returns the set-up stages this collective runs, and the groups whose
-        set-up an earlier collective runs and has not finished: the engine
-        starts this one only after they exist (Work.requires), so a native call
-        never precedes its communicator and calls on it keep their order."""
+        Returns the set-up stages this collective runs, the groups whose
+        set-up an earlier collective runs and has not finished (the engine
+        starts this one only after they exist: Work.requires, so a native call
+        never precedes its communicator and calls on it keep their order), and
+        the groups this one sets up (Work.creates)."""
         out: list[Stage] = []
         requires: list[tuple[int, ...]] = []
+        creates: list[tuple[int, ...]] = []
         for op in sched.ops:
             if not isinstance(op, Native) or self._transport.has_group(op.ranks):
                 continue
@@ -485,10 +502,11 @@ class Communicator:
                 requires.append(ranks)
                 continue
             self._native_groups.add(ranks)
+            creates.append(ranks)
             barrier = algorithms.compile_barrier(self.rank, ranks)
             out.append(Stage(barrier, CHANNEL_SETUP, {DATA: np.zeros(0, np.uint8)}, UINT8,
                              on_done=lambda r=ranks: self._transport.create_group(r)))
-        return out, tuple(requires)
+        return out, tuple(requires), tuple(creates)
 
 
 def init(timeout: float | None = None, *, mpi_comm: Any = None,

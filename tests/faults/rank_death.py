@@ -52,7 +52,7 @@ def record(comm: wagma_comm.Communicator, call: Callable[[], Any]) -> None:
 
 def main() -> None:
     comm = wagma_comm.init(timeout=TIMEOUT)
-    me, size = comm.rank, comm.size
+    me = comm.rank
     comm.barrier()  # round 0: everybody is up
     big = np.ones(4 << 20, np.float32)  # 16 MiB: many ring steps, so "in the middle"
     victim = me == VICTIM
@@ -82,6 +82,12 @@ def main() -> None:
                 wagma.step(model)
                 time.sleep(0.005)
         record(comm, steps)
+    elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
+        if victim:
+            die_soon(0.01)
+        comm.allreduce(big, algorithm="ring", async_op=True)
+        time.sleep(0.5)  # the victim is dead before anybody exits
+        return
     else:
         raise SystemExit(f"unknown case {CASE!r}")
     if victim:

@@ -101,3 +101,58 @@ def test_inline_timeout_names_the_missing_ranks() -> None:
             c.allreduce(np.ones(2, np.float32))
     WORLD.Barrier()
     c.close(cancel=True)
+
+
+def test_interrupt_during_an_inline_run_breaks_the_communicator() -> None:
+    """Ctrl-C inside an inline run after messages went out: late messages of
+    that round could match a round one sequence window later, so the
+    communicator must refuse further work (no silent wrong result)."""
+    if SIZE == 1:
+        pytest.skip("a one-rank collective posts nothing")
+    c = wagma_comm.init(timeout=20)
+    transport = c._transport
+    real = transport.test_some
+
+    def interrupted(requests: list) -> list:  # every rank: nobody waits for anybody
+        transport.test_some = real
+        raise KeyboardInterrupt
+
+    try:
+        c.barrier()
+        transport.test_some = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            c.allreduce(np.ones(2, np.float32))
+        assert c.statistics()["broken"] is not None
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(2, np.float32))
+    finally:
+        transport.test_some = real
+        WORLD.Barrier()
+        c.close(cancel=True)
+
+
+def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
+    """Ctrl-C while the inline run is still being set up: the engine's driver
+    lock is released and, nothing having been sent, the next call works."""
+    c = wagma_comm.init(timeout=20)
+    engine = c._engine
+    real = engine._plan_of
+
+    def interrupted(sched: object) -> object:
+        engine._plan_of = real
+        raise KeyboardInterrupt
+
+    try:
+        c.barrier()
+        engine._plan_of = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            c.allreduce(np.ones(3, np.float32))
+        assert not engine._driver.locked()
+        assert c.statistics()["broken"] is None
+        buf = np.full(3, RANK + 1, np.float32)
+        c.allreduce(buf)
+        np.testing.assert_array_equal(buf, _expected(3, np.float32))
+    finally:
+        engine._plan_of = real
+        WORLD.Barrier()
+        c.close()

@@ -19,6 +19,7 @@ from wagma_comm.runtime import liveness
 def _no_exit_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     """A death seen here must not make this test process skip its exit."""
     monkeypatch.setattr(liveness, "_DEATHS", [])
+    monkeypatch.setattr(liveness, "_ALL", [])
 
 
 def _sleeper() -> subprocess.Popen:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..dtypes import DType
 from ..errors import (
+    CollectiveError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
     RankFailedError,
@@ -85,6 +86,7 @@ class Work:
     # Groups whose native communicator an earlier Work is still creating: this
     # one may start only once they exist (Communicator._setup_stages).
     requires: tuple[tuple[int, ...], ...] = ()
+    creates: tuple[tuple[int, ...], ...] = ()  # groups whose set-up this Work runs
 
 
 class Service(Protocol):
@@ -166,6 +168,7 @@ class Engine:
         # counts the latter; the progress thread parks while any are driving.
         self._driver = threading.Lock()
         self._drivers = 0
+        self._inline_runs = 0  # inline runs under way (counted as in flight)
         self._stopped = False  # the progress thread has finished: nobody drives
         self._closing = False
         self._cancel_pending = False
@@ -243,7 +246,8 @@ class Engine:
 
     def in_flight(self) -> int:
         """Collectives submitted and not finished (thread-safe enough: lengths)."""
-        return len(self._active) + len(self._incoming) + len(self._waiting)
+        return (len(self._active) + len(self._incoming) + len(self._waiting)
+                + self._inline_runs)
 
     def statistics(self) -> dict[str, int]:
         stats = dict(self._stats)
@@ -252,6 +256,20 @@ class Engine:
 
     # -- progress thread ------------------------------------------------------
     def _main(self) -> None:
+        """The progress thread. Anything escaping the loop (a bug) breaks the
+        engine, so every waiter fails at once instead of at its deadline."""
+        try:
+            self._loop()
+        except BaseException as exc:
+            if self._driver.acquire(timeout=5.0):
+                try:
+                    self._break(TransportError(f"progress thread failed: {exc!r}"))
+                finally:
+                    self._driver.release()
+            self._stopped = True
+            raise
+
+    def _loop(self) -> None:
         idle_since = time.monotonic()
         sleep_s = 0.0
         while True:
@@ -379,13 +397,16 @@ class Engine:
         (inline.execute). Returns None when it finished here, or the Handle of
         the Work (``make_work()``) it handed to the engine because a peer was
         late; raises the collective's error (a timeout breaks the engine, as in
-        the engine itself). Releases the claim."""
-        sched = stage.schedule
-        plan = self._plan_of(sched)
-        arrays, borrowed = self._arrays_for(stage)
-        state = InlineState(plan[1], plan[2])
-        handed_over = False
+        the engine itself). Releases the claim, whatever happens."""
+        state: InlineState | None = None
+        arrays: dict[str, np.ndarray] = {}
+        run: _Run | None = None
+        self._inline_runs += 1
         try:
+            sched = stage.schedule
+            plan = self._plan_of(sched)
+            arrays, borrowed = self._arrays_for(stage)
+            state = InlineState(plan[1], plan[2])
             outcome = execute(state, sched.ops, plan[0], arrays, stage.dtype, self._transport,
                               stage.channel, seq, deadline, _SPIN_S)
             if outcome == DONE:
@@ -402,43 +423,72 @@ class Engine:
             run = _Run(work)
             run.enter(0, plan, arrays)
             run.remaining, run.ready, run.completed = state.remaining, state.ready, state.completed
-            run.posted, run.borrowed = state.posted, borrowed
+            run.posted, run.borrowed = dict(state.posted), borrowed
             self._active.append(run)
-            for i, req in state.posted.items():
+            for i, req in run.posted.items():
                 self._requests.append(req)
                 self._owners.append((run, i))
-            handed_over = True
             self._stats["inline_handed_over"] += 1
-            return work.handle
+            handle, run = work.handle, None  # handed over: the engine owns it now
+            with self._cv:
+                self._cv.notify()  # the progress thread goes on if no one drives
+            return handle
         except BaseException as exc:
-            failure: BaseException = exc
-            if isinstance(exc, TransportError):
-                dead = self._watch.dead_among(sched.ranks, settle=True)
-                if dead is not None:  # MPI's error is how the death showed
-                    work = make_work()
-                    failure = dead(work.collective, work.seq)
-            if not isinstance(failure, RankFailedError):  # see _finish
-                for req in state.posted.values():
-                    self._transport.abandon(req)
-            self._abandoned.append(arrays)  # MPI may still touch them
-            state.posted.clear()
-            self._stats["failed"] += 1
-            if isinstance(failure, (TransportError, RankFailedError)):
-                self._break(failure)
+            failure = self._inline_failed(exc, stage, state, arrays, run, make_work)
             if failure is exc:
                 raise
             raise failure from exc
         finally:
-            stats = self._stats
-            stats["messages_sent"] += state.sent
-            stats["bytes_sent"] += state.bytes_sent
-            stats["messages_received"] += state.received
-            stats["bytes_received"] += state.bytes_received
-            stats["local_ops"] += state.local_ops
+            if state is not None:
+                stats = self._stats
+                stats["messages_sent"] += state.sent
+                stats["bytes_sent"] += state.bytes_sent
+                stats["messages_received"] += state.received
+                stats["bytes_received"] += state.bytes_received
+                stats["local_ops"] += state.local_ops
+            self._inline_runs -= 1
             self._driver.release()
-            if handed_over:
-                with self._cv:
-                    self._cv.notify()  # the progress thread goes on if no one drives
+
+    def _inline_failed(self, exc: BaseException, stage: Stage, state: InlineState | None,
+                       arrays: dict[str, np.ndarray], run: _Run | None,
+                       make_work: Callable[[], Work]) -> BaseException:
+        """The error an inline run raises, with the engine left consistent:
+        outstanding requests dropped (cancelled unless a peer died), the
+        buffers MPI may still touch kept alive, and the engine broken when
+        messages of the abandoned round may still arrive (they would match a
+        round one sequence window later)."""
+        if run is not None:  # interrupted half-way through the hand-over
+            if run in self._active:
+                self._active.remove(run)
+            keep = [k for k, o in enumerate(self._owners) if o[0] is not run]
+            self._requests = [self._requests[k] for k in keep]
+            self._owners = [self._owners[k] for k in keep]
+        failure: BaseException = exc
+        broken: WagmaError | None = None
+        if isinstance(exc, TransportError):
+            broken = exc
+            dead = self._watch.dead_among(stage.schedule.ranks, settle=True)
+            if dead is not None:  # MPI's error is how the death showed
+                work = make_work()
+                failure = broken = dead(work.collective, work.seq)
+        elif isinstance(exc, RankFailedError):
+            broken = exc
+        elif not isinstance(exc, WagmaError) and state is not None and (
+                state.sent or state.received or state.posted):
+            broken = TransportError(f"an inline collective was interrupted: {exc!r}")
+            if isinstance(exc, Exception):  # a bug: report it as the transport's
+                failure = broken
+        if state is not None:
+            if not isinstance(failure, RankFailedError):  # see _finish
+                for req in state.posted.values():
+                    self._transport.abandon(req)
+            if state.posted or state.sent:
+                self._abandoned.append(arrays)  # MPI may still touch them
+            state.posted.clear()
+        self._stats["failed"] += 1
+        if broken is not None:
+            self._break(broken)
+        return failure  # Ctrl-C stays Ctrl-C for the caller
 
     def _drive_once(self, step: Callable[[], bool]) -> bool:
         """Run ``step`` (a turn or a spin-poll) if no one else is driving.
@@ -484,13 +534,26 @@ class Engine:
             if work.seq - oldest >= window:
                 break  # would reuse a live message identity: wait
             if work.requires and not all(map(self._transport.has_group, work.requires)):
-                break  # its group's communicator is still being created: wait
+                if self._setup_pending(work.requires):
+                    break  # its group's communicator is still being created: wait
+                self._waiting.popleft()  # the set-up failed in an earlier collective
+                self._stats["failed"] += 1
+                work.handle._complete(None, CollectiveError(
+                    work.collective, work.seq, (),
+                    "its group's communicator was never created: the earlier collective "
+                    "that set it up failed"))
+                continue
             self._waiting.popleft()
             run = _Run(work)
             self._active.append(run)
             self._enter_stage(run, 0)
             started = True
         return started
+
+    def _setup_pending(self, groups: tuple[tuple[int, ...], ...]) -> bool:
+        """True if a started Work still runs the set-up of every missing group."""
+        creating = {g for run in self._active for g in run.work.creates}
+        return all(self._transport.has_group(g) or g in creating for g in groups)
 
     def _enter_stage(self, run: _Run, index: int) -> None:
         stage = run.work.stages[index]
@@ -632,6 +695,11 @@ class Engine:
                 stage.on_done()
             except WagmaError as exc:
                 self._finish(run, error=exc)
+                return
+            except Exception as exc:  # noqa: BLE001 -- e.g. MPI failing to create a group
+                self._finish(run, error=TransportError(
+                    f"{run.work.collective} (round {run.work.seq}): "
+                    f"{type(exc).__name__}: {exc}"))
                 return
         if run.stage_index + 1 < len(run.work.stages):
             self._enter_stage(run, run.stage_index + 1)

@@ -28,8 +28,17 @@ EXIT_CODE = 3  # what a rank exits with when a dead peer leaves it no way out
 
 
 def identity() -> tuple[str, int]:
-    """This process's (host, pid), as published to the peers."""
-    return socket.gethostname(), os.getpid()
+    """This process's (host key, pid), as published to the peers. The key is
+    the host name plus the boot id and the pid namespace, so two containers
+    sharing a host name but not their pids never judge each other's pids."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass  # not Linux: the host name alone
+    return "|".join(parts), os.getpid()
 
 
 def process_gone(pid: int) -> bool:
@@ -61,6 +70,8 @@ class Liveness:
         host = peers[rank][0]
         self._local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
         self._dead: set[int] = set()
+        if self._local:
+            _watch_at_exit(self)
 
     @property
     def checkable(self) -> frozenset[int]:
@@ -126,16 +137,33 @@ class Monitor:
 
 
 _DEATHS: list[Liveness] = []  # those that saw a peer die, in order
+_ALL: list[Liveness] = []  # every one with peers to check, for the last look at exit
 
 
 def _record_death(liveness: Liveness) -> None:
-    """From the first death seen on, the interpreter's exit skips MPI_Finalize
-    (which would wait for the dead peer): registered now, after mpi4py's own
-    exit hook, so it runs first."""
+    """From the first death seen on, the interpreter's exit skips the drain of
+    open communicators and MPI_Finalize (which would wait for the dead peer):
+    registered now, after every other exit hook, so it runs first."""
     if not _DEATHS:
         atexit.register(_exit_without_finalize)
     if liveness not in _DEATHS:
         _DEATHS.append(liveness)
+
+
+def _watch_at_exit(liveness: Liveness) -> None:
+    """Registered with the first communicator, before its drain-at-exit hook,
+    so this one runs after the drain: a death first seen there, or after
+    close() stopped the monitor, still skips MPI_Finalize (a hook registered
+    while the exit hooks run would never run)."""
+    if not _ALL:
+        atexit.register(_last_look_at_exit)
+    _ALL.append(liveness)
+
+
+def _last_look_at_exit() -> None:
+    for liveness in _ALL:
+        liveness.dead(liveness.checkable)  # records any death it finds
+    _exit_without_finalize()
 
 
 def _exit_without_finalize() -> None:
