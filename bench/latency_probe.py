@@ -5,6 +5,8 @@ MPI_Allreduce and wagma_comm's allreduce, in alternating rounds, and prints
 wall time, CPU time and failed polls (each followed by sched_yield) per call:
 
 * ``python loop``: the leanest Python: Irecv, Isend, Testall + sched_yield.
+* ``python Waitall``: the same, but waiting inside MPI (MPI_Waitall, which
+  polls in C with the GIL released, as MPI_Allreduce waits).
 * ``numba loop``: the same loop compiled (numba ``nogil``), calling MPI_Irecv,
   MPI_Isend and MPI_Testall through the MPICH C ABI (int handles) with ctypes.
 
@@ -89,6 +91,14 @@ def main() -> None:
             np.add(buf, tmp, out=buf)
             d <<= 1
 
+    def python_waitall() -> None:
+        d = 1
+        while d < SIZE:
+            peer = RANK ^ d
+            MPI.Request.Waitall([WORLD.Irecv(tmp, peer, 7), WORLD.Isend(buf, peer, 7)])
+            np.add(buf, tmp, out=buf)
+            d <<= 1
+
     def numba_loop() -> None:
         failed["numba loop"] += _numba_loop(buf, tmp, RANK, SIZE, handles[0], handles[1], 5,
                                             reqs, flag)
@@ -96,6 +106,7 @@ def main() -> None:
     impls: dict[str, Callable[[], object]] = {
         "MPI_Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "python loop": python_loop,
+        "python Waitall": python_waitall,
         "numba loop": numba_loop,
         "wagma allreduce": lambda: comm.allreduce(buf),
     }
