@@ -85,6 +85,7 @@ from ..errors import BufferError, InvalidArgumentError
 
 __all__ = [
     "reduce_into",
+    "reduce_views",
     "scale_into",
     "average_into",
     "f16_bits_to_f32",
@@ -860,6 +861,22 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None
         def fn(a: int, b: int) -> None:
             ufunc(d[a:b], s[a:b], out=d[a:b])
     _run(fn, d.size, d.itemsize)
+
+
+def reduce_views(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None:
+    """:func:`reduce_into` for the engine's own views, which are 1-D,
+    contiguous, of ``dtype.storage`` and of one size by construction: the same
+    kernels without the argument checks, which cost more than the reduction of
+    a small message. Large ones still go through reduce_into (threads)."""
+    code = _OP_CODES[op]
+    if _chunks(dst.size, dst.itemsize) is not None:
+        reduce_into(dst, src, op, dtype)
+    elif dtype.is_half:
+        _HALF_KERNELS[_half_kind(dtype)][code](dst, src)
+    elif dtype.is_float:
+        _FLOAT_KERNELS[code](dst, src)
+    else:
+        (np.add, np.multiply, np.maximum, np.minimum)[code](dst, src, out=dst)
 
 
 def _average(d: np.ndarray, parts: Sequence[np.ndarray], divisor: int, dtype: DType) -> None:

@@ -38,7 +38,7 @@ def view(arrays: dict[str, np.ndarray], slot: Slot) -> np.ndarray:
 def run_local(op: Any, arrays: dict[str, np.ndarray], dtype: DType) -> None:
     """Run a reduce, copy or scale op on the host."""
     if isinstance(op, Reduce):
-        host_kernels.reduce_into(view(arrays, op.dst), view(arrays, op.src), op.op, dtype)
+        host_kernels.reduce_views(view(arrays, op.dst), view(arrays, op.src), op.op, dtype)
     elif isinstance(op, Copy):
         np.copyto(view(arrays, op.dst), view(arrays, op.src))
     elif isinstance(op, Scale):
