@@ -306,6 +306,11 @@ class Communicator:
             self._closed = True
         self._forget()
         self._engine.close(cancel=cancel, timeout=self._timeout + 10.0)
+        self._release()
+
+    def _release(self) -> None:
+        """After the engine closed: free the MPI communicators (only once no
+        thread can touch them) and stop the liveness monitor."""
         if not self._engine.alive():
             self._transport.close()
         if self._monitor is not None:
@@ -354,10 +359,7 @@ class Communicator:
         elif pending:
             sys.stderr.write(f"{where} the {pending} collective(s) in flight completed\n")
         sys.stderr.flush()
-        if not self._engine.alive():
-            self._transport.close()
-        if self._monitor is not None:
-            self._monitor.stop()
+        self._release()
 
     def __enter__(self) -> "Communicator":
         return self
@@ -449,7 +451,7 @@ class Communicator:
                 return Work(seq, collective, handle, stages, now + timeout, timeout,
                             result=value, keepalive=buffer, requires=requires,
                             creates=creates,
-                            on_complete=self._forget_failed_setup if creates else None)
+                            on_complete=self._setup_failed(creates) if creates else None)
 
             # A small blocking call with nothing else in flight runs right here
             # (Engine.run_inline). The claim is taken under the submission lock
@@ -472,13 +474,15 @@ class Communicator:
             return value
         return work.handle if async_op else work.handle.wait()
 
-    def _forget_failed_setup(self, result: Any, error: BaseException | None) -> None:
-        """on_complete of a collective that set up group communicators: if it
-        failed before creating them, the next call on the group sets up again."""
-        if error is not None:
-            for ranks in list(self._native_groups):
-                if not self._transport.has_group(ranks):
-                    self._native_groups.discard(ranks)
+    def _setup_failed(self, creates: tuple[tuple[int, ...], ...]) -> Callable[[Any, Any], None]:
+        """on_complete of a collective that sets up the groups ``creates``: if it
+        failed before creating one, the next call on that group sets it up again."""
+        def forget(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                for ranks in creates:
+                    if not self._transport.has_group(ranks):
+                        self._native_groups.discard(ranks)
+        return forget
 
     def _setup_stages(self, sched: Schedule) -> tuple[
             list[Stage], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:

@@ -845,22 +845,24 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None
     s = _flat(src, dtype, "src", d.size)
     if d.size == 0:
         return
+    kernel = _reduce_kernel(dtype, code)
+    _run(lambda a, b: kernel(d[a:b], s[a:b]), d.size, d.itemsize)
+
+
+def _int_kernel(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], object]:
+    return lambda d, s: ufunc(d, s, out=d)
+
+
+_INT_KERNELS = tuple(_int_kernel(u) for u in (np.add, np.multiply, np.maximum, np.minimum))
+
+
+def _reduce_kernel(dtype: DType, code: int) -> Callable[[np.ndarray, np.ndarray], object]:
+    """The in-place kernel ``(dst, src)`` for ``dtype`` and op ``code``."""
     if dtype.is_half:
-        kernel = _HALF_KERNELS[_half_kind(dtype)][code]
-
-        def fn(a: int, b: int) -> None:
-            kernel(d[a:b], s[a:b])
-    elif dtype.is_float:
-        kernel = _FLOAT_KERNELS[code]
-
-        def fn(a: int, b: int) -> None:
-            kernel(d[a:b], s[a:b])
-    else:
-        ufunc = (np.add, np.multiply, np.maximum, np.minimum)[code]
-
-        def fn(a: int, b: int) -> None:
-            ufunc(d[a:b], s[a:b], out=d[a:b])
-    _run(fn, d.size, d.itemsize)
+        return _HALF_KERNELS[_half_kind(dtype)][code]
+    if dtype.is_float:
+        return _FLOAT_KERNELS[code]
+    return _INT_KERNELS[code]
 
 
 def reduce_views(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None:
@@ -868,15 +870,10 @@ def reduce_views(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> Non
     contiguous, of ``dtype.storage`` and of one size by construction: the same
     kernels without the argument checks, which cost more than the reduction of
     a small message. Large ones still go through reduce_into (threads)."""
-    code = _OP_CODES[op]
     if _chunks(dst.size, dst.itemsize) is not None:
         reduce_into(dst, src, op, dtype)
-    elif dtype.is_half:
-        _HALF_KERNELS[_half_kind(dtype)][code](dst, src)
-    elif dtype.is_float:
-        _FLOAT_KERNELS[code](dst, src)
     else:
-        (np.add, np.multiply, np.maximum, np.minimum)[code](dst, src, out=dst)
+        _reduce_kernel(dtype, _OP_CODES[op])(dst, src)
 
 
 def _average(d: np.ndarray, parts: Sequence[np.ndarray], divisor: int, dtype: DType) -> None:

@@ -32,10 +32,10 @@ from ..errors import (
     TransportError,
     WagmaError,
 )
-from ..schedule.ir import DATA, Native, Recv, Schedule, Send
+from ..schedule.ir import DATA, Recv, Schedule, Send
 from ..transport.base import Transport
 from .handle import Handle
-from .inline import DONE, EXPIRED, InlineState, execute, post_native, run_local, view
+from .inline import DONE, EXPIRED, InlineState, execute, post, run_local
 from .liveness import Liveness
 from .pool import ScratchPool
 from .watch import Watch, timeout_error
@@ -460,9 +460,7 @@ class Engine:
         if run is not None:  # interrupted half-way through the hand-over
             if run in self._active:
                 self._active.remove(run)
-            keep = [k for k, o in enumerate(self._owners) if o[0] is not run]
-            self._requests = [self._requests[k] for k in keep]
-            self._owners = [self._owners[k] for k in keep]
+            self._forget_requests(run)
         failure: BaseException = exc
         broken: WagmaError | None = None
         if isinstance(exc, TransportError):
@@ -479,12 +477,9 @@ class Engine:
             if isinstance(exc, Exception):  # a bug: report it as the transport's
                 failure = broken
         if state is not None:
-            if not isinstance(failure, RankFailedError):  # see _finish
-                for req in state.posted.values():
-                    self._transport.abandon(req)
             if state.posted or state.sent:
                 self._abandoned.append(arrays)  # MPI may still touch them
-            state.posted.clear()
+            self._drop(state.posted, failure)
         self._stats["failed"] += 1
         if broken is not None:
             self._break(broken)
@@ -537,8 +532,7 @@ class Engine:
                 if self._setup_pending(work.requires):
                     break  # its group's communicator is still being created: wait
                 self._waiting.popleft()  # the set-up failed in an earlier collective
-                self._stats["failed"] += 1
-                work.handle._complete(None, CollectiveError(
+                self._fail_queued(work, CollectiveError(
                     work.collective, work.seq, (),
                     "its group's communicator was never created: the earlier collective "
                     "that set it up failed"))
@@ -588,26 +582,21 @@ class Engine:
         if not run.ready or run.work.handle.done:
             return False
         transport, stats = self._transport, self._stats
-        seq, channel = run.work.seq, run.stage.channel
+        seq, channel, dtype = run.work.seq, run.stage.channel, run.stage.dtype
         while run.ready and run.stage_index >= 0:
             i = run.ready.popleft()
             op = run.ops[i]
             try:
-                if isinstance(op, Send):
-                    arr = view(run.arrays, op.src)
-                    self._post(run, i, transport.isend(arr, op.peer, channel, seq, op.msg))
-                    stats["messages_sent"] += 1
-                    stats["bytes_sent"] += arr.nbytes
-                elif isinstance(op, Recv):
-                    arr = view(run.arrays, op.dst)
-                    self._post(run, i, transport.irecv(arr, op.peer, channel, seq, op.msg))
-                elif isinstance(op, Native):
-                    self._post(run, i, post_native(transport, op, run.arrays,
-                                                   run.stage.dtype))
-                else:
-                    run_local(op, run.arrays, run.stage.dtype)
+                request = post(op, run.arrays, dtype, transport, channel, seq)
+                if request is None:
+                    run_local(op, run.arrays, dtype)
                     stats["local_ops"] += 1
                     self._op_done(run, i)
+                    continue
+                self._post(run, i, request)
+                if isinstance(op, Send):
+                    stats["messages_sent"] += 1
+                    stats["bytes_sent"] += op.src.count * dtype.itemsize
             except TransportError:
                 raise
             except WagmaError as exc:
@@ -710,19 +699,10 @@ class Engine:
         if run in self._active:
             self._active.remove(run)
         if run.posted:  # failed with requests outstanding: drop them
-            # Cancel them, except when a peer died: MPICH crashes cancelling
-            # requests to a dead process (seen: SIGSEGV in MPI_Cancel), and
-            # nothing will use this communicator again anyway.
-            if not isinstance(error, RankFailedError):
-                for req in run.posted.values():
-                    self._transport.abandon(req)
+            self._drop(run.posted, error)
             self._abandoned.append(run.work.keepalive)
             self._abandoned.extend(run.borrowed)
-            pairs = [(r, o) for r, o in zip(self._requests, self._owners)
-                     if o[0] is not run]
-            self._requests = [r for r, _ in pairs]
-            self._owners = [o for _, o in pairs]
-            run.posted.clear()
+            self._forget_requests(run)
         else:
             for arr in run.borrowed:
                 self._pool.give(arr)
@@ -732,6 +712,26 @@ class Engine:
         if run.work.on_complete is not None:
             run.work.on_complete(result, error)
         run.work.handle._complete(result, error)
+
+    def _drop(self, posted: dict[int, Any], error: BaseException | None) -> None:
+        """Give up the outstanding requests of a failed run. They are cancelled,
+        except when a peer died: MPICH crashes cancelling requests to a dead
+        process (seen: SIGSEGV in MPI_Cancel), and nothing will use this
+        communicator again anyway."""
+        if not isinstance(error, RankFailedError):
+            for req in posted.values():
+                self._transport.abandon(req)
+        posted.clear()
+
+    def _forget_requests(self, run: _Run) -> None:
+        keep = [k for k, owner in enumerate(self._owners) if owner[0] is not run]
+        self._requests = [self._requests[k] for k in keep]
+        self._owners = [self._owners[k] for k in keep]
+
+    def _fail_queued(self, work: Work, error: WagmaError) -> None:
+        """Fail a Work that never started (it is no longer queued)."""
+        self._stats["failed"] += 1
+        work.handle._complete(None, error)
 
     def _check_deadlines(self) -> None:
         """Timeouts, the watchdog and dead peers (runtime/watch.py). Both
@@ -748,8 +748,7 @@ class Engine:
             if isinstance(error, RankFailedError):
                 dead = error
         if dead is not None:
-            self._fail_all(dead)
-            self._stop_services(dead)
+            self._break(dead)
 
     def _expire_waiting(self) -> None:
         """Work that could not even start by its deadline (held back by the
@@ -757,8 +756,7 @@ class Engine:
         now = time.monotonic()
         while self._waiting and now > self._waiting[0].deadline:
             work = self._waiting.popleft()
-            self._stats["failed"] += 1
-            work.handle._complete(None, CollectiveTimeoutError(
+            self._fail_queued(work, CollectiveTimeoutError(
                 work.collective, work.seq, (),
                 f"timed out after {work.timeout:g} s before it could start (an earlier "
                 "collective or its group's set-up had not finished)"))
@@ -789,9 +787,7 @@ class Engine:
         for run in list(self._active):
             self._finish(run, error=error)
         while self._waiting:
-            work = self._waiting.popleft()
-            self._stats["failed"] += 1
-            work.handle._complete(None, error)
+            self._fail_queued(self._waiting.popleft(), error)
 
 
 __all__ = ["Engine", "Stage", "Work", "DATA"]

@@ -47,12 +47,21 @@ def run_local(op: Any, arrays: dict[str, np.ndarray], dtype: DType) -> None:
         raise TypeError(f"unknown op {op!r}")
 
 
-def post_native(transport: Transport, op: Native, arrays: dict[str, np.ndarray],
-                dtype: DType) -> Any:
-    arr = view(arrays, op.buf)
-    if op.kind == "allreduce":
-        return transport.native_allreduce(arr, op.op, dtype, op.ranks)
-    return transport.native_broadcast(arr, op.root, op.ranks)
+def post(op: Any, arrays: dict[str, np.ndarray], dtype: DType, transport: Transport,
+         channel: str, seq: int) -> Any:
+    """Post a Send, Recv or Native op and return its request; None for a local
+    op (which the caller runs with :func:`run_local`)."""
+    kind = type(op)
+    if kind is Send:
+        return transport.isend(view(arrays, op.src), op.peer, channel, seq, op.msg)
+    if kind is Recv:
+        return transport.irecv(view(arrays, op.dst), op.peer, channel, seq, op.msg)
+    if kind is Native:
+        arr = view(arrays, op.buf)
+        if op.kind == "allreduce":
+            return transport.native_allreduce(arr, op.op, dtype, op.ranks)
+        return transport.native_broadcast(arr, op.root, op.ranks)
+    return None
 
 
 class InlineState:
@@ -81,37 +90,33 @@ def execute(state: InlineState, ops: tuple[Any, ...], succ: tuple[tuple[int, ...
     (monotonic) passes (EXPIRED), or ``patience`` seconds go by without any
     completion (LATE). Exceptions propagate with ``state`` current."""
     remaining, ready, posted = state.remaining, state.ready, state.posted
-    isend, irecv, test_some = transport.isend, transport.irecv, transport.test_some
+    test_some = transport.test_some
     itemsize = dtype.itemsize
     requests = list(posted.values())
     owners = list(posted)
     total = len(ops)
+
+    def release(i: int) -> None:  # op i is done: its successors may be ready
+        state.completed += 1
+        for s in succ[i]:
+            remaining[s] -= 1
+            if remaining[s] == 0:
+                ready.append(s)
+
     while True:
         while ready:
             i = ready.popleft()
             op = ops[i]
-            kind = type(op)
-            if kind is Send:
-                slot = op.src
-                posted[i] = req = isend(arrays[slot.buf][slot.offset:slot.offset + slot.count],
-                                        op.peer, channel, seq, op.msg)
-                state.sent += 1
-                state.bytes_sent += slot.count * itemsize
-            elif kind is Recv:
-                slot = op.dst
-                posted[i] = req = irecv(arrays[slot.buf][slot.offset:slot.offset + slot.count],
-                                        op.peer, channel, seq, op.msg)
-            elif kind is Native:
-                posted[i] = req = post_native(transport, op, arrays, dtype)
-            else:
+            req = post(op, arrays, dtype, transport, channel, seq)
+            if req is None:
                 run_local(op, arrays, dtype)
                 state.local_ops += 1
-                state.completed += 1
-                for s in succ[i]:
-                    remaining[s] -= 1
-                    if remaining[s] == 0:
-                        ready.append(s)
+                release(i)
                 continue
+            if type(op) is Send:
+                state.sent += 1
+                state.bytes_sent += op.src.count * itemsize
+            posted[i] = req
             requests.append(req)
             owners.append(i)
         if state.completed == total:
@@ -138,15 +143,11 @@ def execute(state: InlineState, ops: tuple[Any, ...], succ: tuple[tuple[int, ...
             if type(op) is Recv:
                 state.received += 1
                 state.bytes_received += op.dst.count * itemsize
-            state.completed += 1
-            for s in succ[i]:
-                remaining[s] -= 1
-                if remaining[s] == 0:
-                    ready.append(s)
+            release(i)
         keep = [k for k in range(len(requests)) if k not in finished]
         requests = [requests[k] for k in keep]
         owners = [owners[k] for k in keep]
 
 
-__all__ = ["InlineState", "execute", "run_local", "post_native", "view",
+__all__ = ["InlineState", "execute", "run_local", "post", "view",
            "DONE", "LATE", "EXPIRED"]
