@@ -155,12 +155,12 @@ class Run:
         return self.iterations / self.elapsed_s if self.elapsed_s > 0 else float("inf")
 
 
-def time_to_target(times: Sequence[float], accuracies: Sequence[float],
-                   target: float) -> float | None:
-    """Wall-clock time of the first snapshot at or above ``target`` (None: never)."""
-    for t, a in zip(times, accuracies):
+def first_reaching(xs: Sequence[Any], accuracies: Sequence[float], target: float) -> Any:
+    """The ``xs`` entry (time or step) of the first snapshot at or above
+    ``target``; None if none reached it."""
+    for x, a in zip(xs, accuracies):
         if a >= target:
-            return t
+            return x
     return None
 
 
@@ -207,7 +207,7 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
         F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
         opt.step()
         if rank == 0:
-            snaps.append((time.perf_counter() - t0, vec(model.parameters()).detach().clone()))
+            snaps.append((time.perf_counter() - t0, vec(model.parameters()).detach()))  # a new tensor
             if live and t % 10 == 0:
                 sys.stdout.write(f"\r  {method} seed {seed}: step {t + 1}/{total}")
                 sys.stdout.flush()
@@ -259,15 +259,6 @@ class Row:
     fresh_share: float | None = None
 
 
-def steps_to_target(steps: Sequence[int], accuracies: Sequence[float],
-                    target: float) -> int | None:
-    """Iterations done when rank 0's replica first reached ``target``."""
-    for n, a in zip(steps, accuracies):
-        if a >= target:
-            return n
-    return None
-
-
 def _mean_or_none(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -281,14 +272,14 @@ def summarize(runs: Sequence[Run], target: float) -> list[Row]:
     for m in methods:
         rs = [r for r in runs if r.method == m]
         accs = [r.final_accuracy for r in rs]
-        times = [tt for tt in (time_to_target(r.times, r.accuracies, target) for r in rs)
+        times = [tt for tt in (first_reaching(r.times, r.accuracies, target) for r in rs)
                  if tt is not None]
         rows.append(Row(m, statistics.fmean(accs),
                         statistics.stdev(accs) if len(accs) > 1 else 0.0,
                         statistics.fmean(times) if times else None, len(times), len(rs),
                         statistics.fmean(r.iterations_per_s for r in rs),
                         statistics.fmean(r.mean_wait_s for r in rs),
-                        _mean_or_none([steps_to_target(r.steps, r.accuracies, target)
+                        _mean_or_none([first_reaching(r.steps, r.accuracies, target)
                                        for r in rs]),
                         _mean_or_none([r.fresh_share for r in rs])))
     return rows
@@ -434,7 +425,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
             run = train(comm, m, seed, data, o, injector, live=live)
             runs.append(run)
             if talk:
-                ttt = time_to_target(run.times, run.accuracies, o.target)
+                ttt = first_reaching(run.times, run.accuracies, o.target)
                 print(f"[{len(runs):2d}/{total}] seed {seed} {m:<10} final "
                       f"{100 * run.final_accuracy:5.2f}%  to {100 * o.target:g}%: "
                       f"{'-' if ttt is None else f'{ttt:.2f} s':>7}  "

@@ -14,9 +14,8 @@ from wagma_comm.demo import (
     check_options,
     check_targets,
     format_table,
-    steps_to_target,
     summarize,
-    time_to_target,
+    first_reaching,
 )
 
 
@@ -26,11 +25,11 @@ def _run(method: str, seed: int, acc: float, times: list[float], accs: list[floa
 
 
 def test_time_to_target_is_the_first_crossing() -> None:
-    assert time_to_target([1, 2, 3, 4], [0.5, 0.91, 0.85, 0.95], 0.9) == 2
-    assert time_to_target([1, 2], [0.5, 0.6], 0.9) is None
-    assert time_to_target([], [], 0.9) is None
-    assert steps_to_target([10, 20, 30], [0.5, 0.95, 0.99], 0.9) == 20
-    assert steps_to_target([10], [0.5], 0.9) is None
+    assert first_reaching([1, 2, 3, 4], [0.5, 0.91, 0.85, 0.95], 0.9) == 2
+    assert first_reaching([1, 2], [0.5, 0.6], 0.9) is None
+    assert first_reaching([], [], 0.9) is None
+    assert first_reaching([10, 20, 30], [0.5, 0.95, 0.99], 0.9) == 20
+    assert first_reaching([10], [0.5], 0.9) is None
 
 
 def test_summary_averages_over_seeds_and_counts_misses() -> None:

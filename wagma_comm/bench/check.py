@@ -12,18 +12,22 @@ from typing import Any, Sequence
 import numpy as np
 
 
+def _values(rank: int, count: int) -> np.ndarray:
+    """Rank ``rank``'s input values, in [1, 6], as float64."""
+    return ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
+
+
 def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
-    """Rank ``rank``'s input: values in [1, 6], typed as ``dtype.numpy``."""
-    return ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float32).astype(dtype.numpy)
+    """Rank ``rank``'s input, typed as ``dtype.numpy``."""
+    return _values(rank, count).astype(np.float32).astype(dtype.numpy)
 
 
 def expected_result(collective: str, ranks: Sequence[int], count: int, op: str,
                     root: int = 0) -> np.ndarray:
     """What ``collective`` over ``ranks``' patterns gives, in float64."""
     if collective == "broadcast":
-        return ((root % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
-    stack = np.stack([((r % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
-                      for r in ranks])
+        return _values(root, count)
+    stack = np.stack([_values(r, count) for r in ranks])
     return {"sum": stack.sum(0), "avg": stack.sum(0) / len(ranks), "max": stack.max(0),
             "min": stack.min(0), "prod": stack.prod(0)}[op]
 

@@ -167,7 +167,7 @@ def _impls(coll: str, ctx: Context, buf: np.ndarray
         impls["wagma"] = lambda: comm.broadcast(arr, args.root, algorithm=args.algorithm)
         impls.update(_peer_calls(ctx, lambda p: p.broadcast(arr, args.root)))
     elif coll in ("wait_avoiding", "solo", "majority"):
-        op = "avg" if args.op not in ("sum", "avg") else args.op
+        op = effective_op(coll, args.op)
         if coll == "wait_avoiding":
             partial = comm.wait_avoiding_group_allreduce(arr, ctx.gsize, args.sync_every)
             impls["wagma-blocking-group"] = lambda: comm.group_allreduce(
@@ -180,6 +180,14 @@ def _impls(coll: str, ctx: Context, buf: np.ndarray
         impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, "sum")))
         closers.append(lambda: (partial.flush(), partial.close()))  # nothing left pending
     return impls, closers
+
+
+def effective_op(coll: str, op: str) -> str:
+    """The op the benchmark really runs: WAGMA always averages; solo/majority
+    allreduce only sum or average."""
+    if coll == "wait_avoiding" or (coll in ("solo", "majority") and op not in ("sum", "avg")):
+        return "avg"
+    return op
 
 
 def _check(coll: str, ctx: Context, buf: np.ndarray,
@@ -204,14 +212,15 @@ def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]
     from .measure import iterations_for, side_by_side
 
     args, dtype = ctx.args, ctx.dtype
-    members = ctx.gsize if coll in ("group_allreduce", "wait_avoiding") else ctx.comm.size
+    # The group actually formed (shifting groups may be smaller than asked).
+    members = len(ctx.group) if coll in ("group_allreduce", "wait_avoiding") else ctx.comm.size
     rows = []
     for nb in sizes:
         count = max(1, nb // dtype.itemsize)
         buf = pattern(ctx.comm.rank, count, dtype).copy()
         impls, closers = _impls(coll, ctx, buf)
         row = Row(coll, count * dtype.itemsize, count, dtype.name,
-                  args.op if coll not in ("wait_avoiding",) else "avg", members)
+                  effective_op(coll, args.op), members)
         wrong = _check(coll, ctx, buf, impls)
         buf[:] = pattern(ctx.comm.rank, count, dtype)
         timings = side_by_side(impls, iterations_for(row.nbytes, args.iters), args.warmup,
@@ -261,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
     from . import peers as peers_mod
     from .progress import Progress
 
+    if args.collective == "imbalance":  # reached only with options before it
+        raise SystemExit("wagma bench: 'imbalance' has options of its own; write it right "
+                         "after 'bench': wagma bench imbalance [options]")
     _check_device(args.device)
     world = MPI.COMM_WORLD
     dtype = dtypes.lookup(args.dtype, "--dtype")
@@ -278,24 +290,25 @@ def run(args: argparse.Namespace) -> int:
         for peer in ctx.peers:
             if peer.reason is not None:
                 print(f"# peer {peer.name} unavailable: {peer.reason}", flush=True)
-    if args.collective == "overlap":
-        return _run_overlap(ctx, sizes)
-    collectives = (["allreduce", "group_allreduce", "broadcast"] if args.collective == "all"
-                   else [args.collective])
-    rows: list[Row] = []
-    show = {"on": True, "off": False, "auto": None}[args.progress]
-    with Progress(len(sizes) * len(collectives), "wagma bench",
-                  enabled=show if rank == 0 else False) as progress:
-        for coll in collectives:
-            rows.extend(sweep(coll, ctx, sizes, progress))
-    meta = report.metadata(comm, ctx.peers)
-    if rank == 0:
-        print(report.summary(rows), flush=True)
-        _write_outputs(args, rows, meta)
-    for peer in ctx.peers:
-        peer.close()
-    comm.close()
-    return 0
+    try:
+        if args.collective == "overlap":
+            return _run_overlap(ctx, sizes)
+        collectives = (["allreduce", "group_allreduce", "broadcast"]
+                       if args.collective == "all" else [args.collective])
+        rows: list[Row] = []
+        show = {"on": True, "off": False, "auto": None}[args.progress]
+        with Progress(len(sizes) * len(collectives), "wagma bench",
+                      enabled=show if rank == 0 else False) as progress:
+            for coll in collectives:
+                rows.extend(sweep(coll, ctx, sizes, progress))
+        meta = report.metadata(comm, ctx.peers)
+        if rank == 0:
+            print(report.summary(rows), flush=True)
+            _write_outputs(args, rows, meta)
+        return 0
+    finally:
+        peers_mod.close_peers(ctx.peers)
+        comm.close()
 
 
 def _run_overlap(ctx: Context, sizes: list[int]) -> int:
@@ -311,9 +324,6 @@ def _run_overlap(ctx: Context, sizes: list[int]) -> int:
         print(report.overlap_summary(results), flush=True)
         if args.json:
             report.write_json(args.json, {"meta": meta, "overlap": results})
-    for peer in ctx.peers:
-        peer.close()
-    ctx.comm.close()
     return 0
 
 
