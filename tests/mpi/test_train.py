@@ -240,7 +240,11 @@ def _regression(comm: Communicator, method: str, steps: int,
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_converges_and_replicas_agree_at_the_end(comm: Communicator,
                                                                method: str) -> None:
-    initial, final, model = _regression(comm, method, 80, sync_every=5)
+    # AD-PSGD has no global sync: how fast it mixes depends on timing, and on
+    # a loaded machine 80 steps were once not enough (CI, 3 ranks: loss 4.85 ->
+    # 0.53); twice the steps keep the same bound robust.
+    steps = 160 if method == "ad_psgd" else 80
+    initial, final, model = _regression(comm, method, steps, sync_every=5)
     assert final < 0.01 * initial, f"{method}: loss {initial:.3f} -> {final:.5f}"
     assert len(set(WORLD.allgather(_digest([_flat(model)])))) == 1
 
