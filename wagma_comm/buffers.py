@@ -75,6 +75,18 @@ def _device_of(obj: Any, argument: str) -> tuple[int, int]:
     return int(dev_type), int(dev_id)
 
 
+def cuda_device(obj: Any) -> int | None:
+    """The CUDA device id of a DLPack buffer, or None for anything else (host
+    memory, no DLPack): which path, host or GPU, a collective takes."""
+    if type(obj) is np.ndarray or not hasattr(obj, "__dlpack_device__"):
+        return None
+    try:
+        dev_type, dev_id = obj.__dlpack_device__()
+    except Exception:  # noqa: BLE001 -- as_buffer reports it properly
+        return None
+    return int(dev_id) if int(dev_type) == DL_CUDA else None
+
+
 def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:
     if strides is None:
         return True
@@ -92,8 +104,13 @@ def as_buffer(
     *,
     writable: bool = True,
     gpu_available: bool = False,
+    stream: int | None = None,
 ) -> Buffer:
     """Validate ``obj`` and return its :class:`Buffer`.
+
+    ``stream``: for a GPU buffer, the stream that will use it (the consumer's
+    stream in DLPack's terms). It is passed to ``__dlpack__``, so the producer
+    orders its pending work on the buffer before anything we enqueue there.
 
     Raises :class:`~wagma_comm.errors.BufferError` for anything that is not a
     usable contiguous DLPack buffer, and UnsupportedError for a GPU buffer when
@@ -119,7 +136,8 @@ def as_buffer(
         if dev_type not in (DL_CUDA, DL_CUDA_MANAGED):
             raise UnsupportedError(argument, f"{name} buffers are not supported")
     _refuse_lazy_negation(obj, argument)
-    view = _parse(obj, argument, host=dev_type in _HOST_DEVICES)
+    host = dev_type in _HOST_DEVICES
+    view = _parse(obj, argument, stream=-1 if host or stream is None else stream)
     try:
         view_dtype = view.dtype
     except Exception as exc:  # a DLPack type code NumPy has no dtype for (float8, ...)
@@ -147,7 +165,7 @@ def as_buffer(
         raise BufferError(
             argument, "buffer is read-only but the collective writes its result in place"
         )
-    device = "cpu" if dev_type in _HOST_DEVICES else "cuda"
+    device = "cpu" if host else "cuda"
     return Buffer(obj, view, int(view.ptr), count, dtype, shape, device, dev_id)
 
 
@@ -186,12 +204,12 @@ def _refuse_lazy_negation(obj: Any, argument: str) -> None:
                           "view); call .resolve_neg() first")
 
 
-def _parse(obj: Any, argument: str, *, host: bool) -> Any:
+def _parse(obj: Any, argument: str, *, stream: int) -> Any:
     from cuda.core.utils import StridedMemoryView  # deferred: import is not free
 
     try:
-        # -1: the consumer does no stream ordering here (host memory has none);
-        # the GPU path passes its own stream instead.
-        return StridedMemoryView.from_dlpack(obj, stream_ptr=-1)
+        # -1: no stream ordering (host memory has none); the GPU path passes
+        # its own stream, which the producer then makes wait for its work.
+        return StridedMemoryView.from_dlpack(obj, stream_ptr=stream)
     except Exception as exc:
         raise BufferError(argument, f"DLPack export failed: {exc}") from exc

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import groups as groups_mod
-from .buffers import Buffer, as_buffer
+from .buffers import Buffer, as_buffer, cuda_device
 from .dtypes import UINT8, DType, check_op
 from .errors import (
     CommunicatorClosedError,
@@ -121,12 +121,15 @@ class Communicator:
         self._debug = _env_flag("WAGMA_DEBUG") if debug_mode is None else debug_mode
         liveness = (Liveness(transport.rank, transport.identities)
                     if transport.identities else None)
+        self._liveness = liveness
         self._engine = Engine(transport, liveness=liveness)
         self._monitor = (Monitor(liveness, self._engine.in_flight)
                          if liveness is not None and liveness.checkable else None)
         self._lock = threading.Lock()  # sequence numbers and submission order
         self._seq = 0
         self._native_groups: set[tuple[int, ...]] = set()
+        self._gpu: Any = None  # runtime.gpu.GpuQueue, made at the first GPU buffer
+        self._gpu_lock = threading.Lock()
         self._closed = False
         self._calls: dict[str, int] = {}
         self._partials = 0
@@ -186,6 +189,9 @@ class Communicator:
         member raises ``InvalidArgumentError("buf", ...)`` after the collective
         completed (from ``wait()`` when async); ``buf`` holds that result and
         the communicator stays usable. ±Inf is ordered and accepted."""
+        if cuda_device(buf) is not None:
+            return self._gpu_collective("allreduce", buf, "allreduce", tuple(range(self.size)),
+                                        op, algorithm, -1, None, timeout, async_op)
         return self._reduce("allreduce", buf, tuple(range(self.size)), op, algorithm,
                             timeout, async_op, extra="")
 
@@ -198,6 +204,10 @@ class Communicator:
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
+        if cuda_device(buf) is not None:
+            partition = tuple(tuple(g) for g in self.groups(group_size, step))
+            return self._gpu_collective("group_allreduce", buf, "allreduce", ranks, op,
+                                        algorithm, -1, partition, timeout, async_op)
         return self._reduce("group_allreduce", buf, ranks, op, algorithm, timeout,
                             async_op, extra=f",group_size={group_size},step={step}")
 
@@ -207,6 +217,9 @@ class Communicator:
         self._check_open()
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
             raise InvalidArgumentError("root", f"must be an int in [0, {self.size}), got {root!r}")
+        if cuda_device(buf) is not None:
+            return self._gpu_collective("broadcast", buf, "broadcast", tuple(range(self.size)),
+                                        "", algorithm, root, None, timeout, async_op)
         buffer = as_buffer(buf, "buf")
         deadline_s = self._call_timeout(timeout)
         ranks = tuple(range(self.size))
@@ -305,8 +318,22 @@ class Communicator:
                 return
             self._closed = True
         self._forget()
+        self._drain_gpu(cancel)
         self._engine.close(cancel=cancel, timeout=self._timeout + 10.0)
         self._release()
+
+    def _drain_gpu(self, cancel: bool) -> None:
+        """GPU collectives finish (each within its deadline, which the queue
+        enforces) before the engine stops; then the NCCL communicators go."""
+        gpu = self._gpu
+        if gpu is None:
+            return
+        if cancel:
+            gpu.fail(CommunicatorClosedError("communicator closed while in flight"))
+        limit = time.monotonic() + self._timeout + 10.0
+        while gpu.busy() and self._engine.alive() and time.monotonic() < limit:
+            time.sleep(1e-3)
+        gpu.close(time.monotonic() + 10.0)
 
     def _release(self) -> None:
         """After the engine closed: free the MPI communicators (only once no
@@ -473,6 +500,66 @@ class Communicator:
                 on_done()
             return value
         return work.handle if async_op else work.handle.wait()
+
+    # -- GPU buffers ------------------------------------------------------------
+    def _gpu_queue(self, device_id: int) -> Any:
+        """The GPU queue of this communicator, created at the first GPU buffer
+        (NCCL itself starts on the progress thread, at the first collective)."""
+        with self._gpu_lock:
+            if self._gpu is None:
+                from .runtime.gpu import GpuQueue
+                from .transport.nccl import NCCLTransport, unavailable_reason
+
+                reason = unavailable_reason()
+                if reason is not None:
+                    raise UnsupportedError("buf", f"cuda:{device_id} buffer given but {reason}")
+                mpi = self._transport
+
+                def make(dev: int, stream: Any, deadline: float) -> Any:
+                    return NCCLTransport(mpi.rank, mpi.size, dev, stream,
+                                         mpi.exchange_bytes, deadline)
+
+                live = self._liveness
+                self._gpu = GpuQueue(self._engine, device_id, make,
+                                     live.dead if live is not None else None)
+            elif self._gpu.device_id != device_id:
+                raise UnsupportedError(
+                    "buf", f"buffer is on cuda:{device_id} but this communicator's GPU "
+                    f"collectives run on cuda:{self._gpu.device_id} (one device per rank)")
+            return self._gpu
+
+    def _gpu_collective(self, collective: str, buf: Any, kind: str, ranks: tuple[int, ...],
+                        op: str, algorithm: str | None, root: int,
+                        partition: tuple[tuple[int, ...], ...] | None, timeout: Any,
+                        async_op: bool) -> Any:
+        """A collective on a GPU buffer: compiled and planned here, issued to
+        NCCL by the progress thread (runtime/gpu.py). Default algorithm:
+        "native" (NCCL's own collective on the group's communicator)."""
+        from .runtime.gpu import GpuWork, plan
+
+        self._check_open()
+        if kind == "allreduce":
+            check_op(op)
+        queue = self._gpu_queue(cuda_device(buf))
+        buffer = as_buffer(buf, "buf", gpu_available=True, stream=queue.stream.ptr)
+        deadline_s = self._call_timeout(timeout)
+        known = (algorithms.ALLREDUCE_ALGORITHMS if kind == "allreduce"
+                 else algorithms.BROADCAST_ALGORITHMS)
+        name = self._check_algorithm(algorithm, known, lambda: "native")
+        if name != "native" or len(ranks) == len(range(self.size)):
+            partition = None  # point-to-point over the world communicator
+        scheds, waves = plan(kind, ranks, buffer.count, op, name, root)
+        with self._lock:
+            self._check_open()
+            seq = self._seq
+            self._seq += 1
+            self._calls[collective] = self._calls.get(collective, 0) + 1
+            now = time.monotonic()
+            handle = Handle(collective, seq, now + deadline_s, self._engine.alive)
+            queue.submit(GpuWork(seq, collective, handle, scheds[self.rank], waves[self.rank],
+                                 buffer.ptr, buffer.dtype, partition, now + deadline_s,
+                                 deadline_s, buffer.owner, buffer))
+        return handle if async_op else handle.wait()
 
     def _setup_failed(self, creates: tuple[tuple[int, ...], ...]) -> Callable[[Any, Any], None]:
         """on_complete of a collective that sets up the groups ``creates``: if it

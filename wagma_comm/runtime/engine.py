@@ -184,6 +184,11 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def on_progress_thread(self) -> bool:
+        """Whether the caller is the progress thread itself (not a waiter
+        driving the engine): the GPU queue calls NCCL only from there."""
+        return threading.current_thread() is self._thread
+
     def submit(self, work: Work, wake: bool = True) -> None:
         """Queue work (thread-safe). Order of submission is order of start.
         ``wake=False``: the caller will drive it (drive_until), so the parked

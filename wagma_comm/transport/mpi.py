@@ -8,6 +8,7 @@ the engine never lets two collectives ``window`` apart be in flight together.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,6 +82,24 @@ class MPITransport(Transport):
                     comm.Free()
                 except MPI.Exception:
                     pass
+
+    def exchange_bytes(self, data: bytes | None, nbytes: int, deadline: float) -> bytes:
+        """Rank 0's ``data`` (``nbytes`` long) on every rank, e.g. the NCCL
+        unique id. Non-blocking broadcast polled until ``deadline``: a rank
+        that never comes makes this raise TimeoutError instead of hanging.
+        Progress thread only (the creation communicator is its own)."""
+        buf = bytearray(nbytes)
+        if self.rank == 0:
+            if data is None or len(data) != nbytes:
+                raise TransportError(f"exchange_bytes: rank 0 must give {nbytes} bytes")
+            buf[:] = data
+        request = self._create_comm.Ibcast([buf, MPI.BYTE], root=0)
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise TimeoutError("not every rank joined the exchange of the NCCL "
+                                   "unique id by the deadline")
+            time.sleep(50e-6)
+        return bytes(buf)
 
     # -- native collectives -------------------------------------------------
     def _group_comm(self, ranks: Sequence[int]) -> MPI.Comm:

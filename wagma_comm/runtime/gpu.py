@@ -1,0 +1,233 @@
+"""The GPU side of the engine: a queue of collectives on GPU buffers that the
+progress thread issues to NCCL, in submission order, and completes.
+
+Why a queue of whole collectives instead of the host engine's op-by-op
+polling: NCCL is stream-ordered, so a collective is enqueued at once (its
+waves, schedule/waves.py) and completes with one CUDA event; polling each op on
+the host would put a host round trip between every step of the schedule.
+
+Ordering (why several NCCL communicators in flight cannot deadlock): only the
+progress thread calls NCCL, and it takes collectives from this FIFO in the
+order the communicator numbered them. Every rank calls its collectives in the
+same order (the API's contract, checked with WAGMA_DEBUG=1), so every rank
+makes the same NCCL calls in the same order, on every communicator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+from ..dtypes import DType
+from ..errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    RankFailedError,
+    TransportError,
+    UnsupportedError,
+    WagmaError,
+)
+from ..schedule.ir import Schedule
+from ..schedule.waves import plan_waves
+from .handle import Handle
+
+_ERROR_CHECK_S = 0.25  # how often NCCL's asynchronous error state is read
+
+
+@dataclass
+class GpuWork:
+    """One collective on a GPU buffer, compiled and planned, not yet issued."""
+
+    seq: int
+    collective: str
+    handle: Handle
+    schedule: Schedule
+    waves: tuple[tuple[int, ...], ...]
+    data: int  # device address of the user's buffer
+    dtype: DType
+    partition: Sequence[Sequence[int]] | None  # groups of a native group collective
+    deadline: float
+    timeout: float
+    result: Any
+    keepalive: Any
+    pending: Any = None
+
+
+class GpuQueue:
+    """Service of one communicator's engine for its GPU buffers (one device)."""
+
+    def __init__(self, engine: Any, device_id: int,
+                 make_transport: Callable[[int, Any, float], Any],
+                 dead_peers: Callable[[Sequence[int]], list[int]] | None = None) -> None:
+        import cupy
+
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            # Created here, on the application thread, because DLPack export
+            # needs it (the consumer's stream) before NCCL exists.
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._engine = engine
+        self._make_transport = make_transport
+        self._dead_peers = dead_peers
+        self._lock = threading.Lock()
+        self._queue: deque[GpuWork] = deque()
+        self._in_flight: deque[GpuWork] = deque()
+        self.transport: Any = None
+        self.broken: WagmaError | None = None
+        self._next_check = 0.0
+        self.stats = {"gpu_completed": 0, "gpu_failed": 0}
+        engine.add_service(self)
+
+    # -- application side -----------------------------------------------------
+    def submit(self, work: GpuWork) -> None:
+        with self._lock:
+            if self.broken is not None:
+                raise CommunicatorClosedError(f"the GPU path is broken: {self.broken}")
+            self._queue.append(work)
+        self._engine.wake()
+
+    def busy(self) -> bool:
+        return bool(self._queue or self._in_flight)
+
+    # -- progress thread ------------------------------------------------------
+    def progress(self) -> bool:
+        """Issue what is queued, complete what finished, enforce deadlines.
+        NCCL is only ever called from the progress thread itself (a waiter
+        driving the engine leaves GPU work to it)."""
+        if not self._engine.on_progress_thread() or self.broken is not None:
+            return False
+        progressed = False
+        try:
+            progressed |= self._issue()
+            progressed |= self._complete()
+            self._check_health()
+        except WagmaError as exc:
+            self._break(exc)
+            return True
+        return progressed
+
+    def _issue(self) -> bool:
+        issued = False
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return issued
+                work = self._queue.popleft()
+            if self.transport is None:
+                self.transport = self._setup(work)
+            group = None
+            try:
+                if work.partition is not None:
+                    ranks = work.schedule.ranks
+                    group = self.transport.group_comm(ranks, work.partition, work.deadline)
+                work.pending = self.transport.enqueue(
+                    work.schedule, work.waves, work.data, work.dtype, group, work.deadline)
+            except TimeoutError as exc:
+                self._in_flight.append(work)
+                raise self._timeout_error(work, str(exc)) from exc
+            except WagmaError:
+                self._in_flight.append(work)  # failed with the rest by _break
+                raise
+            self._in_flight.append(work)
+            issued = True
+
+    def _setup(self, work: GpuWork) -> Any:
+        try:
+            return self._make_transport(self.device_id, self.stream, work.deadline)
+        except TimeoutError as exc:
+            self._in_flight.append(work)
+            raise self._timeout_error(work, f"NCCL initialisation: {exc}") from exc
+        except ImportError as exc:
+            self._in_flight.append(work)
+            raise UnsupportedError("buf", f"GPU transport unavailable: {exc}") from exc
+
+    def _complete(self) -> bool:
+        done = False
+        while self._in_flight and self.transport.done(self._in_flight[0].pending):
+            work = self._in_flight.popleft()
+            work.pending = None
+            self.stats["gpu_completed"] += 1
+            work.handle._complete(work.result)
+            done = True
+        return done
+
+    def _check_health(self) -> None:
+        if not self._in_flight:
+            return
+        now = time.monotonic()
+        oldest = self._in_flight[0]
+        if now > oldest.deadline:
+            raise self._timeout_error(oldest, f"did not complete within {oldest.timeout:g}s")
+        if now >= self._next_check:
+            self._next_check = now + _ERROR_CHECK_S
+            problem = self.transport.async_error()
+            if problem is not None:
+                raise TransportError(problem)
+            if self._dead_peers is not None:
+                dead = self._dead_peers(oldest.schedule.ranks)
+                if dead:
+                    raise RankFailedError(oldest.collective, oldest.seq, dead,
+                                          "a member's process died; NCCL communicators "
+                                          "aborted")
+
+    def _timeout_error(self, work: GpuWork, what: str) -> CollectiveTimeoutError:
+        members = [r for r in work.schedule.ranks if r != work.schedule.rank]
+        dead = self._dead_peers(work.schedule.ranks) if self._dead_peers else []
+        blamed = dead or members
+        why = ("these members' processes are gone" if dead else
+               "NCCL does not say which members arrived; these are the other members")
+        return CollectiveTimeoutError(
+            work.collective, work.seq, blamed,
+            f"GPU collective {what}; NCCL communicators aborted, the GPU path of this "
+            f"communicator is unusable now ({why})")
+
+    def _break(self, error: WagmaError) -> None:
+        """Abort NCCL (so no kernel stays blocked) and fail everything."""
+        self.broken = error
+        if self.transport is not None:
+            self.transport.abort(str(error))
+        self.fail(error)
+
+    def fail(self, error: WagmaError) -> None:
+        """Fail every queued and in-flight GPU collective (engine broke/closed)."""
+        with self._lock:
+            works = list(self._in_flight) + list(self._queue)
+            self._in_flight.clear()
+            self._queue.clear()
+        first = True
+        for work in works:
+            if first or not isinstance(error, (CollectiveTimeoutError, RankFailedError)):
+                err: BaseException = error
+            else:
+                err = CommunicatorClosedError(
+                    f"{work.collective} (round {work.seq}): not run, the GPU path broke "
+                    f"at an earlier collective: {error}")
+            first = False
+            self.stats["gpu_failed"] += 1
+            work.handle._complete(error=err)
+
+    def close(self, deadline: float) -> None:
+        """Called after the engine drained: release the NCCL communicators."""
+        if self.transport is not None and self.broken is None:
+            self.transport.close(deadline)
+
+
+@lru_cache(maxsize=512)
+def plan(kind: str, ranks: tuple[int, ...], count: int, op: str, algorithm: str,
+         root: int) -> tuple[dict[int, Schedule], dict[int, tuple[tuple[int, ...], ...]]]:
+    """Every member's schedule of one GPU collective and its stream-ordered
+    waves. Each rank computes the same plan from the deterministic compiler,
+    without talking; cached, since a trainer repeats the same shapes."""
+    from ..schedule import algorithms
+
+    if kind == "allreduce":
+        scheds = {r: algorithms.compile_allreduce(r, ranks, count, op, algorithm)
+                  for r in ranks}
+    else:
+        scheds = {r: algorithms.compile_broadcast(r, ranks, count, root, algorithm)
+                  for r in ranks}
+    return scheds, plan_waves(scheds)
