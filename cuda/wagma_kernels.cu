@@ -14,17 +14,23 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <stdint.h>
 
 namespace wagma {
+
+// Fixed-width names without <stdint.h>, which NVRTC does not ship.
+typedef int i32;
+typedef long long i64;
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef unsigned long long u64;
 
 // ---------------------------------------------------------------- arithmetic
 template <typename T> struct Acc { typedef T type; };
 template <> struct Acc<__half> { typedef float type; };
 template <> struct Acc<__nv_bfloat16> { typedef float type; };
-template <> struct Acc<int32_t> { typedef uint32_t type; };  // wrap, no UB
-template <> struct Acc<int64_t> { typedef uint64_t type; };
-template <> struct Acc<uint8_t> { typedef uint32_t type; };
+template <> struct Acc<i32> { typedef u32 type; };  // wrap, no UB
+template <> struct Acc<i64> { typedef u64 type; };
+template <> struct Acc<u8> { typedef u32 type; };
 
 template <typename T> __device__ __forceinline__ typename Acc<T>::type widen(T x) {
   return static_cast<typename Acc<T>::type>(x);
@@ -47,8 +53,8 @@ enum Op { OP_SUM = 0, OP_PROD = 1, OP_MAX = 2, OP_MIN = 3 };
 // Signed integers are reduced as their wrapped (unsigned) images, so max/min
 // must compare the signed values.
 template <typename T> struct Compare { typedef typename Acc<T>::type type; };
-template <> struct Compare<int32_t> { typedef int32_t type; };
-template <> struct Compare<int64_t> { typedef int64_t type; };
+template <> struct Compare<i32> { typedef i32 type; };
+template <> struct Compare<i64> { typedef i64 type; };
 
 template <typename T, int OP>
 __device__ __forceinline__ T combine(T a, T b) {
@@ -78,23 +84,23 @@ template <typename T> __device__ __forceinline__ void store16(T* p, const Vec<T>
   *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v.e);
 }
 
-__device__ __forceinline__ size_t thread_index() {
-  return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+__device__ __forceinline__ u64 thread_index() {
+  return static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
-__device__ __forceinline__ size_t thread_count() {
-  return static_cast<size_t>(gridDim.x) * blockDim.x;
+__device__ __forceinline__ u64 thread_count() {
+  return static_cast<u64>(gridDim.x) * blockDim.x;
 }
 
 // ------------------------------------------------------------------ kernels
 
 // dst[i] = op(dst[i], src[i]) for i < n. VEC: dst and src are 16-byte aligned.
 template <typename T, int OP, bool VEC>
-__global__ void reduce_into(T* __restrict__ dst, const T* __restrict__ src, size_t n) {
-  size_t done = 0;
+__global__ void reduce_into(T* __restrict__ dst, const T* __restrict__ src, u64 n) {
+  u64 done = 0;
   if (VEC) {
     const int N = Vec<T>::N;
-    const size_t nvec = n / N;
-    for (size_t v = thread_index(); v < nvec; v += thread_count()) {
+    const u64 nvec = n / N;
+    for (u64 v = thread_index(); v < nvec; v += thread_count()) {
       Vec<T> a = load16(dst + v * N);
       const Vec<T> b = load16(src + v * N);
 #pragma unroll
@@ -103,7 +109,7 @@ __global__ void reduce_into(T* __restrict__ dst, const T* __restrict__ src, size
     }
     done = nvec * N;
   }
-  for (size_t i = done + thread_index(); i < n; i += thread_count())
+  for (u64 i = done + thread_index(); i < n; i += thread_count())
     dst[i] = combine<T, OP>(dst[i], src[i]);
 }
 
@@ -120,24 +126,24 @@ template <typename T> __device__ __forceinline__ T divide(T x, double divisor) {
 template <> __device__ __forceinline__ double divide<double>(double x, double divisor) {
   return x / divisor;
 }
-template <> __device__ __forceinline__ int32_t divide<int32_t>(int32_t x, double divisor) {
-  return floor_div<int64_t>(x, static_cast<int64_t>(divisor));
+template <> __device__ __forceinline__ i32 divide<i32>(i32 x, double divisor) {
+  return floor_div<i64>(x, static_cast<i64>(divisor));
 }
-template <> __device__ __forceinline__ int64_t divide<int64_t>(int64_t x, double divisor) {
-  return floor_div<int64_t>(x, static_cast<int64_t>(divisor));
+template <> __device__ __forceinline__ i64 divide<i64>(i64 x, double divisor) {
+  return floor_div<i64>(x, static_cast<i64>(divisor));
 }
-template <> __device__ __forceinline__ uint8_t divide<uint8_t>(uint8_t x, double divisor) {
-  return static_cast<uint8_t>(x / static_cast<uint32_t>(divisor));
+template <> __device__ __forceinline__ u8 divide<u8>(u8 x, double divisor) {
+  return static_cast<u8>(x / static_cast<u32>(divisor));
 }
 
 // dst[i] /= divisor (the last step of an average).
 template <typename T, bool VEC>
-__global__ void scale_by(T* __restrict__ dst, size_t n, double divisor) {
-  size_t done = 0;
+__global__ void scale_by(T* __restrict__ dst, u64 n, double divisor) {
+  u64 done = 0;
   if (VEC) {
     const int N = Vec<T>::N;
-    const size_t nvec = n / N;
-    for (size_t v = thread_index(); v < nvec; v += thread_count()) {
+    const u64 nvec = n / N;
+    for (u64 v = thread_index(); v < nvec; v += thread_count()) {
       Vec<T> a = load16(dst + v * N);
 #pragma unroll
       for (int k = 0; k < N; ++k) a.e[k] = divide<T>(a.e[k], divisor);
@@ -145,7 +151,7 @@ __global__ void scale_by(T* __restrict__ dst, size_t n, double divisor) {
     }
     done = nvec * N;
   }
-  for (size_t i = done + thread_index(); i < n; i += thread_count())
+  for (u64 i = done + thread_index(); i < n; i += thread_count())
     dst[i] = divide<T>(dst[i], divisor);
 }
 
@@ -156,14 +162,14 @@ __global__ void scale_by(T* __restrict__ dst, size_t n, double divisor) {
 // (each element is read before it is written, by the same thread).
 template <typename T, bool VEC>
 __global__ void average_of(T* out, const unsigned long long* __restrict__ inputs, int k,
-                           size_t n, double divisor) {
+                           u64 n, double divisor) {
   typedef typename Acc<T>::type A;
   const A scale = static_cast<A>(1.0 / divisor);
-  size_t done = 0;
+  u64 done = 0;
   if (VEC) {
     const int N = Vec<T>::N;
-    const size_t nvec = n / N;
-    for (size_t v = thread_index(); v < nvec; v += thread_count()) {
+    const u64 nvec = n / N;
+    for (u64 v = thread_index(); v < nvec; v += thread_count()) {
       A acc[Vec<T>::N];
       const Vec<T> first = load16(reinterpret_cast<const T*>(inputs[0]) + v * N);
 #pragma unroll
@@ -180,7 +186,7 @@ __global__ void average_of(T* out, const unsigned long long* __restrict__ inputs
     }
     done = nvec * N;
   }
-  for (size_t i = done + thread_index(); i < n; i += thread_count()) {
+  for (u64 i = done + thread_index(); i < n; i += thread_count()) {
     A acc = widen(reinterpret_cast<const T*>(inputs[0])[i]);
     for (int j = 1; j < k; ++j) acc += widen(reinterpret_cast<const T*>(inputs[j])[i]);
     out[i] = narrow<T>(acc * scale);
@@ -199,44 +205,44 @@ extern "C" __global__ void copy_segments(const unsigned long long* __restrict__ 
   const unsigned s = blockIdx.y;
   unsigned char* dst = reinterpret_cast<unsigned char*>(dsts[s]);
   const unsigned char* src = reinterpret_cast<const unsigned char*>(srcs[s]);
-  const size_t n = sizes[s];
-  const size_t start = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  size_t done = 0;
+  const wagma::u64 n = sizes[s];
+  const wagma::u64 start = static_cast<wagma::u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const wagma::u64 stride = static_cast<wagma::u64>(gridDim.x) * blockDim.x;
+  wagma::u64 done = 0;
   if (((dsts[s] | srcs[s]) & 15u) == 0) {
-    const size_t nvec = n / 16;
-    for (size_t v = start; v < nvec; v += stride)
+    const wagma::u64 nvec = n / 16;
+    for (wagma::u64 v = start; v < nvec; v += stride)
       reinterpret_cast<uint4*>(dst)[v] = __ldg(reinterpret_cast<const uint4*>(src) + v);
     done = nvec * 16;
   }
-  for (size_t i = done + start; i < n; i += stride) dst[i] = src[i];
+  for (wagma::u64 i = done + start; i < n; i += stride) dst[i] = src[i];
 }
 
 // Explicit instantiations, so that nvcc compiles every variant the runtime can
 // ask NVRTC for (CI has no GPU: this is where a template error shows).
 #define WAGMA_REDUCE(T)                                                         \
-  template __global__ void wagma::reduce_into<T, 0, true>(T*, const T*, size_t);  \
-  template __global__ void wagma::reduce_into<T, 0, false>(T*, const T*, size_t); \
-  template __global__ void wagma::reduce_into<T, 1, true>(T*, const T*, size_t);  \
-  template __global__ void wagma::reduce_into<T, 1, false>(T*, const T*, size_t); \
-  template __global__ void wagma::reduce_into<T, 2, true>(T*, const T*, size_t);  \
-  template __global__ void wagma::reduce_into<T, 2, false>(T*, const T*, size_t); \
-  template __global__ void wagma::reduce_into<T, 3, true>(T*, const T*, size_t);  \
-  template __global__ void wagma::reduce_into<T, 3, false>(T*, const T*, size_t); \
-  template __global__ void wagma::scale_by<T, true>(T*, size_t, double);          \
-  template __global__ void wagma::scale_by<T, false>(T*, size_t, double);
+  template __global__ void wagma::reduce_into<T, 0, true>(T*, const T*, u64);  \
+  template __global__ void wagma::reduce_into<T, 0, false>(T*, const T*, u64); \
+  template __global__ void wagma::reduce_into<T, 1, true>(T*, const T*, u64);  \
+  template __global__ void wagma::reduce_into<T, 1, false>(T*, const T*, u64); \
+  template __global__ void wagma::reduce_into<T, 2, true>(T*, const T*, u64);  \
+  template __global__ void wagma::reduce_into<T, 2, false>(T*, const T*, u64); \
+  template __global__ void wagma::reduce_into<T, 3, true>(T*, const T*, u64);  \
+  template __global__ void wagma::reduce_into<T, 3, false>(T*, const T*, u64); \
+  template __global__ void wagma::scale_by<T, true>(T*, u64, double);          \
+  template __global__ void wagma::scale_by<T, false>(T*, u64, double);
 WAGMA_REDUCE(__half)
 WAGMA_REDUCE(__nv_bfloat16)
 WAGMA_REDUCE(float)
 WAGMA_REDUCE(double)
-WAGMA_REDUCE(int32_t)
-WAGMA_REDUCE(int64_t)
-WAGMA_REDUCE(uint8_t)
+WAGMA_REDUCE(wagma::i32)
+WAGMA_REDUCE(wagma::i64)
+WAGMA_REDUCE(wagma::u8)
 #define WAGMA_AVERAGE(T)                                                                     \
   template __global__ void wagma::average_of<T, true>(T*, const unsigned long long*, int,   \
-                                                      size_t, double);                      \
+                                                      u64, double);                      \
   template __global__ void wagma::average_of<T, false>(T*, const unsigned long long*, int,  \
-                                                       size_t, double);
+                                                       u64, double);
 WAGMA_AVERAGE(__half)
 WAGMA_AVERAGE(__nv_bfloat16)
 WAGMA_AVERAGE(float)

@@ -21,7 +21,8 @@ from ..errors import InvalidArgumentError, UnsupportedError
 SOURCE = Path(__file__).resolve().parents[2] / "cuda" / "wagma_kernels.cu"
 
 _CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
-          "float64": "double", "int32": "int32_t", "int64": "int64_t", "uint8": "uint8_t"}
+          "float64": "double", "int32": "wagma::i32", "int64": "wagma::i64",
+          "uint8": "wagma::u8"}
 _OP_CODE = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 _AVERAGE_TYPES = ("float16", "bfloat16", "float32", "float64")
 _THREADS = 256

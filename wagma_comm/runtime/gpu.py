@@ -108,6 +108,10 @@ class GpuQueue:
         except WagmaError as exc:
             self._break(exc)
             return True
+        except Exception as exc:  # noqa: BLE001 -- CUDA/NVRTC/NCCL binding errors
+            # must fail the GPU collectives, not kill the progress thread
+            self._break(TransportError(f"GPU path failed: {type(exc).__name__}: {exc}"))
+            return True
         return progressed
 
     def _issue(self) -> bool:
