@@ -15,6 +15,7 @@ makes the same NCCL calls in the same order, on every communicator.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from ..schedule.waves import plan_waves
 from .handle import Handle
 
 _ERROR_CHECK_S = 0.25  # how often NCCL's asynchronous error state is read
+_log = logging.getLogger("wagma_comm.gpu")
 
 
 @dataclass
@@ -121,8 +123,11 @@ class GpuQueue:
                 if not self._queue:
                     return issued
                 work = self._queue.popleft()
+            _log.debug("issue %s round %d", work.collective, work.seq)
             if self.transport is None:
                 self.transport = self._setup(work)
+                _log.debug("NCCL %s ready in %.3fs", self.transport.nccl_version,
+                           self.transport.init_seconds)
             group = None
             try:
                 if work.partition is not None:
@@ -154,6 +159,7 @@ class GpuQueue:
         while self._in_flight and self.transport.done(self._in_flight[0].pending):
             work = self._in_flight.popleft()
             work.pending = None
+            _log.debug("done %s round %d", work.collective, work.seq)
             self.stats["gpu_completed"] += 1
             work.handle._complete(work.result)
             done = True
