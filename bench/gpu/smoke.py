@@ -5,7 +5,7 @@ import faulthandler
 import logging
 import sys
 
-faulthandler.dump_traceback_later(40, exit=True)
+faulthandler.dump_traceback_later(15, exit=True)
 logging.basicConfig(level=logging.DEBUG, stream=sys.stderr,
                     format="%(relativeCreated)8.0f ms %(name)s %(message)s")
 logging.getLogger("wagma_comm.gpu").setLevel(logging.DEBUG)
@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 import wagma_comm  # noqa: E402
 
-c = wagma_comm.init(timeout=10)
+c = wagma_comm.init(timeout=30)
 logging.getLogger("wagma_comm.gpu").debug("rank %d of %d initialised", c.rank, c.size)
 t = torch.ones(10, device="cuda")
 c.allreduce(t)

@@ -21,6 +21,7 @@ the group's communicator.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -34,6 +35,7 @@ _NCCL_UINT8 = 1
 _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 _SETTLE_SLEEP_S = 50e-6
 _UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+_log = logging.getLogger("wagma_comm.gpu")
 
 
 def unavailable_reason() -> str | None:
@@ -90,8 +92,10 @@ class NCCLTransport:
         self.stream = stream
         with self._device:
             self.kernels = kernels(device_id)
+        _log.debug("kernels loaded")
         mine = nc.get_unique_id().as_bytes() if rank == 0 else None
         uid = exchange_bytes(mine, _UNIQUE_ID_BYTES, deadline)
+        _log.debug("unique id exchanged")
         self._config = nc.NCCLConfig(blocking=False, split_share=True)
         started = time.monotonic()
         with self._device:
@@ -100,6 +104,7 @@ class NCCLTransport:
                                              self._config), None, deadline,
                 "ncclCommInitRank")
         self.init_seconds = time.monotonic() - started
+        _log.debug("world communicator ready")
         self._groups: dict[tuple[tuple[int, ...], ...], Any] = {}  # partition -> comm
         self.split_seconds: list[float] = []
         self.broken: str | None = None
