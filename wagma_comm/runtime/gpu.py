@@ -123,6 +123,8 @@ class GpuQueue:
                 if not self._queue:
                     return issued
                 work = self._queue.popleft()
+                # In flight from here on, so whatever fails below fails it too.
+                self._in_flight.append(work)
             _log.debug("issue %s round %d", work.collective, work.seq)
             if self.transport is None:
                 self.transport = self._setup(work)
@@ -131,32 +133,26 @@ class GpuQueue:
             group = None
             try:
                 if work.partition is not None:
-                    ranks = work.schedule.ranks
-                    group = self.transport.group_comm(ranks, work.partition, work.deadline)
+                    group = self.transport.group_comm(work.schedule.ranks, work.partition,
+                                                      work.deadline)
                 work.pending = self.transport.enqueue(
                     work.schedule, work.waves, work.data, work.dtype, group, work.deadline)
             except TimeoutError as exc:
-                self._in_flight.append(work)
                 raise self._timeout_error(work, str(exc)) from exc
-            except WagmaError:
-                self._in_flight.append(work)  # failed with the rest by _break
-                raise
-            self._in_flight.append(work)
             issued = True
 
     def _setup(self, work: GpuWork) -> Any:
         try:
             return self._make_transport(self.device_id, self.stream, work.deadline)
         except TimeoutError as exc:
-            self._in_flight.append(work)
             raise self._timeout_error(work, f"NCCL initialisation: {exc}") from exc
         except ImportError as exc:
-            self._in_flight.append(work)
             raise UnsupportedError("buf", f"GPU transport unavailable: {exc}") from exc
 
     def _complete(self) -> bool:
         done = False
-        while self._in_flight and self.transport.done(self._in_flight[0].pending):
+        while (self._in_flight and self._in_flight[0].pending is not None
+               and self.transport.done(self._in_flight[0].pending)):
             work = self._in_flight.popleft()
             work.pending = None
             _log.debug("done %s round %d", work.collective, work.seq)
