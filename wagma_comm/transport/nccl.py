@@ -93,7 +93,7 @@ class NCCLTransport:
         with self._device:
             self.kernels = kernels(device_id)
         _log.debug("kernels loaded")
-        mine = nc.get_unique_id().as_bytes() if rank == 0 else None
+        mine = bytes(nc.get_unique_id()) if rank == 0 else None
         uid = exchange_bytes(mine, _UNIQUE_ID_BYTES, deadline)
         _log.debug("unique id exchanged")
         self._config = nc.NCCLConfig(blocking=False, split_share=True)
