@@ -132,7 +132,9 @@ class GpuQueue:
                            self.transport.init_seconds)
             group = None
             try:
-                if work.partition is not None:
+                # Every rank splits (collective over the world communicator),
+                # also one whose own group is a singleton; nobody does if all are.
+                if work.partition is not None and any(len(g) > 1 for g in work.partition):
                     group = self.transport.group_comm(work.schedule.ranks, work.partition,
                                                       work.deadline)
                 work.pending = self.transport.enqueue(

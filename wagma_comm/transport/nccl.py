@@ -148,7 +148,8 @@ class NCCLTransport:
                    deadline: float) -> Any:
         """The communicator of ``ranks``, one of the groups of ``partition``.
 
-        The first use of a partition splits the world communicator (collective
+        The first use of a partition splits the world communicator (the child
+        inherits its non-blocking configuration; collective
         over every rank: all ranks reach the same group collective at the same
         point of their collective sequence); later uses are a dict lookup."""
         if len(ranks) == self.size:
@@ -159,7 +160,7 @@ class NCCLTransport:
             color = next(i for i, g in enumerate(key) if self.rank in g)
             started = time.monotonic()
             comm = self._call_settled(
-                lambda: self.world.split(color, self.rank, self._config), None, deadline,
+                lambda: self.world.split(color, self.rank), None, deadline,
                 "ncclCommSplit")
             self.split_seconds.append(time.monotonic() - started)
             self._groups[key] = comm
