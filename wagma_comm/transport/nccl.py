@@ -96,7 +96,11 @@ class NCCLTransport:
         mine = bytes(nc.get_unique_id()) if rank == 0 else None
         uid = exchange_bytes(mine, _UNIQUE_ID_BYTES, deadline)
         _log.debug("unique id exchanged")
-        self._config = nc.NCCLConfig(blocking=False, split_share=True)
+        self._config = nc.NCCLConfig(blocking=False)
+        # Group communicators: blocking, sharing the world's resources. Split
+        # is only ever called where every rank calls it (a group collective
+        # that all ranks reach at the same point of their sequence).
+        self._split_config = nc.NCCLConfig(blocking=True, split_share=True)
         started = time.monotonic()
         with self._device:
             self.world = self._call_settled(
@@ -119,7 +123,11 @@ class NCCLTransport:
         """Wait until a non-blocking communicator has finished the last call
         (ncclInProgress -> ncclSuccess), at most until ``deadline``."""
         while True:
-            state = int(self._nb.comm_get_async_error(comm._comm))
+            try:
+                state = int(self._nb.comm_get_async_error(comm._comm))
+            except Exception as exc:  # noqa: BLE001 -- say which call it was
+                raise TransportError(f"NCCL {what}: polling its state failed: {exc}",
+                                     _status(exc)) from exc
             if state == 0:
                 return
             if state != NCCL_IN_PROGRESS:
@@ -148,8 +156,7 @@ class NCCLTransport:
                    deadline: float) -> Any:
         """The communicator of ``ranks``, one of the groups of ``partition``.
 
-        The first use of a partition splits the world communicator (the child
-        inherits its non-blocking configuration; collective
+        The first use of a partition splits the world communicator (collective
         over every rank: all ranks reach the same group collective at the same
         point of their collective sequence); later uses are a dict lookup."""
         if len(ranks) == self.size:
@@ -160,7 +167,8 @@ class NCCLTransport:
             color = next(i for i, g in enumerate(key) if self.rank in g)
             started = time.monotonic()
             comm = self._call_settled(
-                lambda: self.world.split(color, self.rank), None, deadline,
+                lambda: self.world.split(color, self.rank, self._split_config), None,
+                deadline,
                 "ncclCommSplit")
             self.split_seconds.append(time.monotonic() - started)
             self._groups[key] = comm
