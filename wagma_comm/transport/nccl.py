@@ -93,6 +93,8 @@ class NCCLTransport:
         with self._device:
             self.kernels = kernels(device_id)
         _log.debug("kernels loaded")
+        self._exchange = exchange_bytes
+        self.group_method = "split"
         mine = bytes(nc.get_unique_id()) if rank == 0 else None
         uid = exchange_bytes(mine, _UNIQUE_ID_BYTES, deadline)
         _log.debug("unique id exchanged")
@@ -156,23 +158,54 @@ class NCCLTransport:
                    deadline: float) -> Any:
         """The communicator of ``ranks``, one of the groups of ``partition``.
 
-        The first use of a partition splits the world communicator (collective
-        over every rank: all ranks reach the same group collective at the same
-        point of their collective sequence); later uses are a dict lookup."""
+        Made once per partition (group size, step), collectively over every
+        rank (all ranks reach the same group collective at the same point of
+        their collective sequence), then a dict lookup. First choice:
+        ncclCommSplit of the world communicator, sharing its resources. Where
+        NCCL refuses the split (seen with several ranks per GPU, NCCL 2.30.7:
+        the child's state query answers InvalidArgument), every group gets its
+        own ncclCommInitRank instead, with unique ids rank 0 makes and
+        broadcasts over MPI; ``group_method`` says which is in use."""
         if len(ranks) == self.size:
             return self.world
         key = tuple(tuple(g) for g in partition)
         comm = self._groups.get(key)
         if comm is None:
-            color = next(i for i, g in enumerate(key) if self.rank in g)
             started = time.monotonic()
-            comm = self._call_settled(
-                lambda: self.world.split(color, self.rank, self._split_config), None,
-                deadline,
-                "ncclCommSplit")
+            comm = None
+            if self.group_method == "split":
+                try:
+                    comm = self._split(key, deadline)
+                except TransportError as exc:
+                    _log.warning("ncclCommSplit refused (%s); group communicators are "
+                                 "initialised one by one from now on", exc)
+                    self.group_method = "init"
+            if comm is None:
+                comm = self._init_group(key, deadline)
             self.split_seconds.append(time.monotonic() - started)
             self._groups[key] = comm
         return comm
+
+    def _split(self, key: tuple[tuple[int, ...], ...], deadline: float) -> Any:
+        color = next(i for i, g in enumerate(key) if self.rank in g)
+        with self._device:
+            return self._call_settled(
+                lambda: self.world.split(color, self.rank, self._split_config), None,
+                deadline, "ncclCommSplit")
+
+    def _init_group(self, key: tuple[tuple[int, ...], ...], deadline: float) -> Any:
+        nc = self._nc
+        mine = (b"".join(bytes(nc.get_unique_id()) for _ in key) if self.rank == 0
+                else None)
+        ids = self._exchange(mine, _UNIQUE_ID_BYTES * len(key), deadline)
+        index = next(i for i, g in enumerate(key) if self.rank in g)
+        group = key[index]
+        uid = nc.UniqueId.from_bytes(ids[index * _UNIQUE_ID_BYTES:(index + 1) * _UNIQUE_ID_BYTES])
+        with self._device:
+            return self._call_settled(
+                lambda: nc.Communicator.init(len(group), group.index(self.rank), uid,
+                                             self._config), None, deadline,
+                "ncclCommInitRank (group)")
 
     def enqueue(self, sched: Schedule, waves: Sequence[Sequence[int]], data: int,
                 dtype: DType, group: Any, deadline: float) -> Pending:
