@@ -12,7 +12,12 @@ MPI_SIZES ?= 1 2 3 4 8
 MPI_TEST_TIMEOUT ?= 600
 DEMO_RANKS ?= 8
 
-.PHONY: all install test test-unit test-mpi soak demo bench clean
+NVCC ?= nvcc
+CUDA_ARCHS ?= 80 90
+# A GPU machine: ranks per GPU allowed by NCCL >= 2.30.3 (docs/gpu.md).
+GPU_SIZES ?= 1 2 4
+
+.PHONY: all install test test-unit test-cuda test-mpi test-gpu soak demo bench clean
 
 all: test
 
@@ -25,10 +30,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: test-unit test-mpi
+test: test-cuda test-unit test-mpi
 
+# tests/gpu is skipped (with the reason) where no GPU is present.
 test-unit: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit tests/gpu -q
+
+# Every .cu file must compile for every target with no warning, GPU or not.
+test-cuda:
+	@set -e; for f in cuda/*.cu; do for a in $(CUDA_ARCHS); do \
+	  echo "nvcc $$f sm_$$a"; \
+	  $(NVCC) -std=c++17 -arch=sm_$$a -Werror all-warnings -Xptxas -warn-spills,-warn-lmem-usage \
+	    -c $$f -o /dev/null; \
+	done; done
+
+# On a GPU machine (docs/gpu.md): kernels, then collectives on GPU buffers.
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests/gpu -q
+	@set -e; for n in $(GPU_SIZES); do \
+	  echo "== GPU MPI tests on $$n ranks"; \
+	  NCCL_MULTI_RANK_GPU_ENABLE=1 WAGMA_TEST_DIR=tests/gpu/mpi timeout $(MPI_TEST_TIMEOUT) \
+	    $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py -q; \
+	done
 
 test-mpi: $(STAMP)
 	@set -e; for n in $(MPI_SIZES); do \
