@@ -21,6 +21,7 @@ the group's communicator.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,8 @@ def unavailable_reason() -> str | None:
     """Why GPU buffers cannot be used here (None when they can)."""
     try:
         import cupy
-        import nccl.core  # noqa: F401  (nccl4py)
+
+        importlib.import_module("nccl.core")  # nccl4py
     except Exception as exc:  # noqa: BLE001 -- any import failure means "no"
         return f"the GPU path needs cupy and nccl4py (the cuda12/cuda13 extra): {exc}"
     try:
