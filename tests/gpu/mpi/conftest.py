@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Iterator
 
+from pathlib import Path
+
 import pytest
 from mpi4py import MPI
 
@@ -18,7 +20,10 @@ REASON = unavailable_reason()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
     for item in items:
+        if here not in Path(str(item.path)).parents:
+            continue  # this hook sees the whole session's items
         item.add_marker(pytest.mark.gpu)
         if REASON is not None:
             item.add_marker(pytest.mark.skip(reason=f"no GPU path here: {REASON}"))
