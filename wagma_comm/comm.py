@@ -189,9 +189,11 @@ class Communicator:
         member raises ``InvalidArgumentError("buf", ...)`` after the collective
         completed (from ``wait()`` when async); ``buf`` holds that result and
         the communicator stays usable. ±Inf is ordered and accepted."""
-        if cuda_device(buf) is not None:
-            return self._gpu_collective("allreduce", buf, "allreduce", tuple(range(self.size)),
-                                        op, algorithm, -1, None, timeout, async_op)
+        device = cuda_device(buf)
+        if device is not None:
+            return self._gpu_collective("allreduce", buf, device, "allreduce",
+                                        tuple(range(self.size)), op, algorithm, -1, None,
+                                        timeout, async_op)
         return self._reduce("allreduce", buf, tuple(range(self.size)), op, algorithm,
                             timeout, async_op, extra="")
 
@@ -204,9 +206,13 @@ class Communicator:
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
-        if cuda_device(buf) is not None:
-            partition = tuple(tuple(g) for g in self.groups(group_size, step))
-            return self._gpu_collective("group_allreduce", buf, "allreduce", ranks, op,
+        device = cuda_device(buf)
+        if device is not None:
+            # Group communicators only where some group has 2+ members; every
+            # rank then takes part in making them, also a singleton's.
+            partition = (tuple(tuple(g) for g in self.groups(group_size, step))
+                         if group_size > 1 else None)
+            return self._gpu_collective("group_allreduce", buf, device, "allreduce", ranks, op,
                                         algorithm, -1, partition, timeout, async_op)
         return self._reduce("group_allreduce", buf, ranks, op, algorithm, timeout,
                             async_op, extra=f",group_size={group_size},step={step}")
@@ -217,9 +223,11 @@ class Communicator:
         self._check_open()
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
             raise InvalidArgumentError("root", f"must be an int in [0, {self.size}), got {root!r}")
-        if cuda_device(buf) is not None:
-            return self._gpu_collective("broadcast", buf, "broadcast", tuple(range(self.size)),
-                                        "", algorithm, root, None, timeout, async_op)
+        device = cuda_device(buf)
+        if device is not None:
+            return self._gpu_collective("broadcast", buf, device, "broadcast",
+                                        tuple(range(self.size)), "", algorithm, root, None,
+                                        timeout, async_op)
         buffer = as_buffer(buf, "buf")
         deadline_s = self._call_timeout(timeout)
         ranks = tuple(range(self.size))
@@ -400,6 +408,8 @@ class Communicator:
         stats: dict[str, Any] = self._engine.statistics()
         stats["calls"] = dict(self._calls)
         stats["broken"] = None if self._engine.broken is None else str(self._engine.broken)
+        if self._gpu is not None:
+            stats.update(self._gpu.stats)
         return stats
 
     def __repr__(self) -> str:
@@ -528,8 +538,8 @@ class Communicator:
                     f"collectives run on cuda:{self._gpu.device_id} (one device per rank)")
             return self._gpu
 
-    def _gpu_collective(self, collective: str, buf: Any, kind: str, ranks: tuple[int, ...],
-                        op: str, algorithm: str | None, root: int,
+    def _gpu_collective(self, collective: str, buf: Any, device: int, kind: str,
+                        ranks: tuple[int, ...], op: str, algorithm: str | None, root: int,
                         partition: tuple[tuple[int, ...], ...] | None, timeout: Any,
                         async_op: bool) -> Any:
         """A collective on a GPU buffer: compiled and planned here, issued to
@@ -540,13 +550,13 @@ class Communicator:
         self._check_open()
         if kind == "allreduce":
             check_op(op)
-        queue = self._gpu_queue(cuda_device(buf))
+        queue = self._gpu_queue(device)
         buffer = as_buffer(buf, "buf", gpu_available=True, stream=queue.stream.ptr)
         deadline_s = self._call_timeout(timeout)
         known = (algorithms.ALLREDUCE_ALGORITHMS if kind == "allreduce"
                  else algorithms.BROADCAST_ALGORITHMS)
         name = self._check_algorithm(algorithm, known, lambda: "native")
-        if name != "native" or len(ranks) == len(range(self.size)):
+        if name != "native" or len(ranks) == self.size:
             partition = None  # point-to-point over the world communicator
         scheds, waves = plan(kind, ranks, buffer.count, op, name, root)
         with self._lock:

@@ -82,10 +82,12 @@ class DeviceKernels:
             fn = self._functions[name] = self._module.get_function(name)
         return fn
 
-    def _blocks(self, items: int) -> int:
-        # Enough blocks to fill the chip several times over; the kernels are
-        # grid-stride loops, so more would only add scheduling work.
-        return max(1, min((items + _THREADS - 1) // _THREADS, self._sms * 16))
+    def _grid(self, count: int, dtype: DType, vec: bool) -> tuple[int]:
+        """Blocks for ``count`` elements: one thread per 16-byte vector (or
+        element), at most enough to fill the chip several times over (the
+        kernels are grid-stride loops; more would only add scheduling work)."""
+        items = max(1, count // (16 // dtype.itemsize) if vec else count)
+        return (max(1, min((items + _THREADS - 1) // _THREADS, self._sms * 16)),)
 
     def reduce(self, dst: int, src: int, count: int, op: str, dtype: DType,
                stream: Any) -> None:
@@ -97,9 +99,8 @@ class DeviceKernels:
         if count <= 0:
             return
         vec = _aligned(dst, src)
-        items = count // (16 // dtype.itemsize) if vec else count
         fn = self._fn(_reduce_name(dtype.name, code, vec))
-        fn((self._blocks(max(items, 1)),), (_THREADS,),
+        fn(self._grid(count, dtype, vec), (_THREADS,),
            (np.uint64(dst), np.uint64(src), np.uint64(count)), stream=stream)
 
     def scale(self, dst: int, count: int, divisor: int, dtype: DType, stream: Any) -> None:
@@ -107,9 +108,8 @@ class DeviceKernels:
         if count <= 0 or divisor == 1:
             return
         vec = _aligned(dst)
-        items = count // (16 // dtype.itemsize) if vec else count
         self._fn(_scale_name(dtype.name, vec))(
-            (self._blocks(max(items, 1)),), (_THREADS,),
+            self._grid(count, dtype, vec), (_THREADS,),
             (np.uint64(dst), np.uint64(count), np.float64(divisor)), stream=stream)
 
     def average(self, out: int, inputs: Sequence[int], count: int, divisor: float,
@@ -126,9 +126,8 @@ class DeviceKernels:
             return
         table = self._pointer_array(tuple(int(p) for p in inputs), stream)
         vec = _aligned(out, *inputs)
-        items = count // (16 // dtype.itemsize) if vec else count
         self._fn(_average_name(dtype.name, vec))(
-            (self._blocks(max(items, 1)),), (_THREADS,),
+            self._grid(count, dtype, vec), (_THREADS,),
             (np.uint64(out), table, np.int32(len(inputs)), np.uint64(count),
              np.float64(divisor)), stream=stream)
 

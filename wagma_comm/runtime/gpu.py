@@ -51,7 +51,8 @@ class GpuWork:
     waves: tuple[tuple[int, ...], ...]
     data: int  # device address of the user's buffer
     dtype: DType
-    partition: Sequence[Sequence[int]] | None  # groups of a native group collective
+    # groups of a native group collective (None: the world communicator)
+    partition: tuple[tuple[int, ...], ...] | None
     deadline: float
     timeout: float
     result: Any
@@ -132,9 +133,7 @@ class GpuQueue:
                            self.transport.init_seconds)
             group = None
             try:
-                # Every rank splits (collective over the world communicator),
-                # also one whose own group is a singleton; nobody does if all are.
-                if work.partition is not None and any(len(g) > 1 for g in work.partition):
+                if work.partition is not None:
                     group = self.transport.group_comm(work.schedule.ranks, work.partition,
                                                       work.deadline)
                 work.pending = self.transport.enqueue(

@@ -114,7 +114,6 @@ class NCCLTransport:
         self.init_seconds = time.monotonic() - started
         _log.debug("world communicator ready")
         self._groups: dict[tuple[tuple[int, ...], ...], Any] = {}  # partition -> comm
-        self.split_seconds: list[float] = []
         self.broken: str | None = None
 
     @property
@@ -156,7 +155,7 @@ class NCCLTransport:
             self._settle(target, deadline, what)
         return result
 
-    def group_comm(self, ranks: tuple[int, ...], partition: Sequence[Sequence[int]],
+    def group_comm(self, ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...],
                    deadline: float) -> Any:
         """The communicator of ``ranks``, one of the groups of ``partition``.
 
@@ -170,11 +169,9 @@ class NCCLTransport:
         broadcasts over MPI; ``group_method`` says which is in use."""
         if len(ranks) == self.size:
             return self.world
-        key = tuple(tuple(g) for g in partition)
+        key = partition
         comm = self._groups.get(key)
         if comm is None:
-            started = time.monotonic()
-            comm = None
             if self.group_method == "split":
                 try:
                     comm = self._split(key, deadline)
@@ -184,7 +181,6 @@ class NCCLTransport:
                     self.group_method = "init"
             if comm is None:
                 comm = self._init_group(key, deadline)
-            self.split_seconds.append(time.monotonic() - started)
             self._groups[key] = comm
         return comm
 
@@ -297,20 +293,6 @@ class NCCLTransport:
             if state not in (0, NCCL_IN_PROGRESS):
                 return f"NCCL reported error code {state} ({comm.get_last_error()})"
         return None
-
-    def memory_bytes(self) -> dict[str, int]:
-        """GPU memory each communicator holds (ncclCommMemStats), by name."""
-        out = {}
-        stat = getattr(self._nc, "NcclCommMemStat", None)
-        if stat is None:
-            return out
-        for name, comm in [("world", self.world)] + [
-                (f"group{[list(g) for g in key]}", c) for key, c in self._groups.items()]:
-            try:
-                out[name] = int(comm.get_mem_stat(list(stat)[0]))
-            except Exception:  # noqa: BLE001 -- a statistic, never an error
-                pass
-        return out
 
     def abort(self, reason: str) -> None:
         """Abort every communicator: in-flight NCCL kernels return, nothing
