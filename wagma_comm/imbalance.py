@@ -17,10 +17,12 @@ same answer as everyone else, whatever order the questions come in.
   draws configurable).
 * :class:`SkewedCompute`: "uneven sample length": every rank pays extra compute
   drawn from a lognormal (right-skewed) distribution with a chosen mean.
+* :class:`SlowNode`: a persistently slow node: the ranks of one node pay a
+  fixed extra delay at every step (a thermally throttled or shared machine).
 * :class:`NoImbalance`: zero everywhere.
 
 :func:`make_injector` parses the CLI form (``none``, ``reference:DELAY[:COUNT]``,
-``skewed:MEAN[:SIGMA]``). The ``expected_*`` / ``iterations_per_second_*``
+``skewed:MEAN[:SIGMA]``, ``slownode:DELAY[:RANKS_PER_NODE[:NODE]]``). The ``expected_*`` / ``iterations_per_second_*``
 functions give the time a wait-avoiding and a globally synchronous method should
 take under an injector, so a benchmark can say how close it came;
 :func:`exact_reference_period_max` computes the reference injector's term exactly,
@@ -44,6 +46,7 @@ __all__ = [
     "NoImbalance",
     "ReferenceImbalance",
     "SkewedCompute",
+    "SlowNode",
     "make_injector",
     "expected_period_time",
     "expected_step_time_blocking",
@@ -261,11 +264,44 @@ class SkewedCompute(Injector):
         return f"skewed:{self.mean_s!r}:{self.sigma!r}"
 
 
+class SlowNode(Injector):
+    """A persistently slow node: ranks ``node * ranks_per_node`` up to the next
+    node's first rank pay ``delay_s`` at every step; everyone else nothing.
+    Unlike the reference injector the same ranks are slow every time, which is
+    what hurts gossip (their neighbours wait every step) and what wait-avoiding
+    rounds are meant to hide."""
+
+    def __init__(self, size: int, delay_s: float, ranks_per_node: int = 8,
+                 node: int = 0) -> None:
+        size = _check_int("size", size, 1)
+        self.delay_s = _check_seconds("delay_s", delay_s)
+        self.ranks_per_node = _check_int("ranks_per_node", ranks_per_node, 1)
+        self.node = _check_int("node", node, 0)
+        if self.node * self.ranks_per_node >= size:
+            raise InvalidArgumentError(
+                "node", f"node {node} has no ranks ({size} ranks, {ranks_per_node} per node)")
+        super().__init__(size)
+        self._pattern = np.zeros(size, dtype=np.float64)
+        self._pattern[self.node * self.ranks_per_node:
+                      (self.node + 1) * self.ranks_per_node] = self.delay_s
+
+    def _delays(self, step: int) -> np.ndarray:
+        return self._pattern.copy()
+
+    def _delays_block(self, first_step: int, n: int) -> np.ndarray:
+        return np.tile(self._pattern, (n, 1))
+
+    @property
+    def spec(self) -> str:
+        return f"slownode:{self.delay_s!r}:{self.ranks_per_node}:{self.node}"
+
+
 def make_injector(spec: str, size: int, seed: int = 0) -> Injector:
     """Build an injector from its CLI form.
 
     ``none`` | ``reference:DELAY[:COUNT]`` (DELAY seconds, COUNT draws, default 2)
-    | ``skewed:MEAN[:SIGMA]`` (MEAN seconds, SIGMA default 1.0). Anything else, or
+    | ``skewed:MEAN[:SIGMA]`` (MEAN seconds, SIGMA default 1.0)
+    | ``slownode:DELAY[:RANKS_PER_NODE[:NODE]]`` (defaults 8 and 0). Anything else, or
     a value out of range, raises ``InvalidArgumentError("imbalance", ...)``.
     """
     size = _check_int("size", size, 1)
@@ -274,7 +310,8 @@ def make_injector(spec: str, size: int, seed: int = 0) -> Injector:
         raise InvalidArgumentError("imbalance", f"expected a string, got {type(spec).__name__}")
     parts = [p.strip() for p in spec.strip().split(":")]
     kind, args = parts[0].lower(), parts[1:]
-    usage = "expected 'none', 'reference:DELAY[:COUNT]' or 'skewed:MEAN[:SIGMA]'"
+    usage = ("expected 'none', 'reference:DELAY[:COUNT]', 'skewed:MEAN[:SIGMA]' or "
+             "'slownode:DELAY[:RANKS_PER_NODE[:NODE]]'")
 
     def number(text: str, what: str, convert: type) -> float | int:
         try:
@@ -295,6 +332,11 @@ def make_injector(spec: str, size: int, seed: int = 0) -> Injector:
             mean_s = number(args[0], "MEAN", float)
             sigma = number(args[1], "SIGMA", float) if len(args) == 2 else 1.0
             return SkewedCompute(size, mean_s, sigma, seed)
+        if kind == "slownode" and 1 <= len(args) <= 3:
+            delay_s = number(args[0], "DELAY", float)
+            per_node = number(args[1], "RANKS_PER_NODE", int) if len(args) >= 2 else 8
+            node = number(args[2], "NODE", int) if len(args) == 3 else 0
+            return SlowNode(size, delay_s, per_node, node)
     except InvalidArgumentError as exc:
         if exc.argument == "imbalance":
             raise

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..dtypes import OPS
 from ..errors import InvalidArgumentError
-from .build import ScheduleBuilder
+from .build import ScheduleBuilder, group_index
 from .ir import DATA, Schedule, Slot
 
 ALLREDUCE_ALGORITHMS: tuple[str, ...] = ("recursive_doubling", "rabenseifner", "ring", "native")
@@ -65,15 +65,23 @@ def _check_group(rank: int, ranks: tuple[int, ...], count: int) -> int:
     """Validate the group and return ``rank``'s position in it."""
     if not isinstance(ranks, tuple) or not ranks:
         raise InvalidArgumentError("ranks", f"expected a non-empty tuple, got {ranks!r}")
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
-        raise InvalidArgumentError("ranks", f"expected ints >= 0, got {ranks!r}")
-    if len(set(ranks)) != len(ranks):
+    index = _valid_group(ranks)
+    if index is None:
         raise InvalidArgumentError("ranks", f"contains duplicates: {ranks!r}")
-    if rank not in ranks:
+    if rank not in index:
         raise InvalidArgumentError("rank", f"{rank!r} is not a member of {ranks!r}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise InvalidArgumentError("count", f"expected an int >= 0, got {count!r}")
-    return ranks.index(rank)
+    return index[rank]
+
+
+@lru_cache(maxsize=64)
+def _valid_group(ranks: tuple[int, ...]) -> dict[int, int] | None:
+    """The members' positions (None on a duplicate); type-checked once per
+    group, since every member's schedule is compiled against the same tuple."""
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+        raise InvalidArgumentError("ranks", f"expected ints >= 0, got {ranks!r}")
+    return group_index(ranks)
 
 
 def _check_algorithm(algorithm: str, known: tuple[str, ...]) -> None:
@@ -83,6 +91,7 @@ def _check_algorithm(algorithm: str, known: tuple[str, ...]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------
+@lru_cache(maxsize=256)
 def chunk_offsets(count: int, parts: int) -> tuple[int, ...]:
     """``parts + 1`` offsets splitting ``count`` elements as evenly as possible
     (the first ``count % parts`` chunks get one element more)."""
@@ -378,6 +387,34 @@ def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
         if pos != me:
             b.send(Slot(DATA, 0, count), r)
             b.recv(Slot(peers, pos * count, count), r)
+    return b.build()
+
+
+@lru_cache(maxsize=_CACHE_SIZE)
+def compile_neighbor_average(rank: int, ranks: tuple[int, ...], count: int,
+                             neighbours: tuple[int, ...]) -> Schedule:
+    """Gossip averaging (D-PSGD): send the buffer to every rank in
+    ``neighbours``, receive theirs into scratch ``"peers"``, and average the
+    ``1 + len(neighbours)`` models in place. Every rank must list the ranks it
+    exchanges with (symmetric neighbourhoods, e.g. ring neighbours)."""
+    _check_group(rank, ranks, count)
+    nbrs = tuple(neighbours)
+    if len(set(nbrs)) != len(nbrs) or any(r == rank or r not in ranks for r in nbrs):
+        raise InvalidArgumentError(
+            "neighbours", f"expected distinct members of the group other than {rank}, "
+            f"got {nbrs!r}")
+    b = ScheduleBuilder("allreduce", "neighbor_average", rank, ranks, count, "avg")
+    if count == 0 or not nbrs:
+        return b.build()
+    peers = b.scratch(EXCHANGE_SCRATCH, count * len(nbrs))
+    data = Slot(DATA, 0, count)
+    for r in nbrs:
+        b.send(data, r)
+    for k, r in enumerate(nbrs):
+        b.recv(Slot(peers, k * count, count), r)
+    for k in range(len(nbrs)):
+        b.reduce(data, Slot(peers, k * count, count), "sum")
+    b.scale(data, 1 + len(nbrs))
     return b.build()
 
 

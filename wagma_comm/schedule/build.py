@@ -14,6 +14,7 @@ not later in the executor.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from functools import lru_cache
 from typing import Iterable
 
 from ..errors import ScheduleError
@@ -23,6 +24,15 @@ MAX_MSG = 1 << 15  # messages per peer per schedule (the transport's tag field)
 REDUCE_OPS = ("sum", "max", "min", "prod")  # what Reduce computes ("avg" is lowered)
 NATIVE_OPS = REDUCE_OPS + ("avg",)
 NATIVE_KINDS = ("allreduce", "broadcast")
+
+
+@lru_cache(maxsize=64)
+def group_index(ranks: tuple[int, ...]) -> dict[int, int] | None:
+    """Position of each member of ``ranks``, or None if a rank repeats. Cached:
+    compiling every member's schedule of a 4,096-rank group would otherwise
+    re-scan the group once per rank (quadratic)."""
+    index = {r: i for i, r in enumerate(ranks)}
+    return index if len(index) == len(ranks) else None
 
 
 class HazardTracker:
@@ -123,9 +133,10 @@ class ScheduleBuilder:
                  count: int, op: str = "", root: int = -1) -> None:
         self.collective, self.algorithm, self.op, self.root = collective, algorithm, op, root
         self.rank, self.ranks = rank, tuple(ranks)
-        if len(set(self.ranks)) != len(self.ranks):
+        self._index = group_index(self.ranks)
+        if self._index is None:
             raise ScheduleError(f"ranks {self.ranks} contain duplicates")
-        if rank not in self.ranks:
+        if rank not in self._index:
             raise ScheduleError(f"rank {rank} is not in ranks {self.ranks}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ScheduleError(f"count must be an int >= 0, got {count!r}")
@@ -196,7 +207,7 @@ class ScheduleBuilder:
     def _check_peer(self, peer: int) -> None:
         if peer == self.rank:
             raise ScheduleError(f"rank {self.rank} cannot message itself")
-        if peer not in self.ranks:
+        if peer not in self._index:  # type: ignore[operator]
             raise ScheduleError(f"peer {peer} is not in ranks {self.ranks}")
 
     def _next_msg(self, counters: dict[int, int], peer: int, what: str) -> int:

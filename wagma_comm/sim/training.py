@@ -1,0 +1,243 @@
+"""Simulated training iterations: every method of the training issue, on the
+timed collectives of :mod:`.collectives`, under an injector of
+:mod:`wagma_comm.imbalance`.
+
+Each rank loops "compute (``compute_s`` + the injector's delay), then the
+method's communication", exactly as ``wagma imbalance`` measures it; all ranks
+start at 0 and the run lasts until the slowest rank finishes its last step.
+
+Blocking methods: the collective starts on each rank when it arrives (plus
+the call overhead) and the iteration ends when its schedule ends there.
+
+Partial collectives (WAGMA, solo, majority) follow ``partial/base.py``:
+
+* a round is activated by the first arrival (the agreed activator for
+  majority); tokens reach the others along the activation tree, and every
+  rank's progress thread starts the round at ``max(activation, its previous
+  round's end)`` with whatever its application last published;
+* a rank whose application arrives after its round started contributes a
+  stale model and, if the round has also ended, does not wait at all;
+* every ``sync_every``-th round is synchronous: it starts on each rank when
+  its application arrives, runs the all-to-all arrival check, then the data.
+
+Staleness is what the runtime reports to ``step()``: the number of rounds at or
+after this one that had started on the rank when its application arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import groups
+from ..errors import InvalidArgumentError
+from ..imbalance import make_injector
+from ..runtime import activation
+from .collectives import Collectives, token_arrivals
+from .cost import TOKEN_BYTES, CostModel
+
+BLOCKING = ("allreduce", "group_allreduce", "local_sgd", "dpsgd")
+PARTIAL = ("wagma", "wagma_group_scope", "solo", "majority")
+METHODS: tuple[str, ...] = ("allreduce", "group_allreduce", "wagma", "wagma_group_scope",
+                            "solo", "majority", "dpsgd", "local_sgd")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one simulated run trains: ``size`` ranks, a model of ``elements``
+    elements of ``itemsize`` bytes, ``compute_s`` per step plus the injector's
+    delay (``imbalance``: a :func:`~wagma_comm.imbalance.make_injector` spec),
+    ``steps`` iterations."""
+
+    size: int
+    elements: int
+    compute_s: float
+    imbalance: str = "none"
+    steps: int = 100
+    group_size: int = 0  # 0: half the ranks, as ``wagma imbalance``
+    sync_every: int = 10
+    itemsize: int = 4
+    seed: int = 0
+    algorithm: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("size", 1), ("elements", 0), ("steps", 1), ("sync_every", 1),
+                              ("itemsize", 1), ("seed", 0), ("group_size", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidArgumentError(name, f"expected an int >= {minimum}, got {value!r}")
+        if not isinstance(self.compute_s, (int, float)) or self.compute_s < 0:
+            raise InvalidArgumentError("compute_s", f"expected seconds >= 0, got "
+                                       f"{self.compute_s!r}")
+        groups.check_group_size(self.size, self.group)
+        make_injector(self.imbalance, self.size, self.seed)  # reject a bad spec now
+
+    @property
+    def group(self) -> int:
+        return self.group_size or max(1, self.size // 2)
+
+
+@dataclass
+class SimResult:
+    method: str
+    iterations_per_s: float
+    makespan_s: float
+    wait_per_iteration_s: list[float]  # per rank: mean time inside the collective call
+    messages_per_iteration: float  # per rank, mean over ranks (tokens included)
+    bytes_per_iteration: float
+    fresh_share: float | None  # partial collectives: share of current contributions
+    staleness_histogram: dict[int, int] = field(default_factory=dict)
+    simulated_in_s: float = 0.0
+
+    @property
+    def mean_wait_s(self) -> float:
+        return float(np.mean(self.wait_per_iteration_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["mean_wait_s"] = self.mean_wait_s
+        return out
+
+
+def simulate(method: str, workload: Workload, cost: CostModel,
+             collectives: Collectives | None = None) -> SimResult:
+    """Simulate ``workload.steps`` iterations of ``method``."""
+    if method not in METHODS:
+        raise InvalidArgumentError("method", f"unknown method {method!r}; expected one of "
+                                   f"{list(METHODS)}")
+    w = workload
+    lib = collectives or Collectives(w.size, cost, w.itemsize, w.algorithm)
+    if (lib.size, lib.cost, lib.itemsize, lib.algorithm) != (w.size, cost, w.itemsize,
+                                                             w.algorithm):
+        raise InvalidArgumentError("collectives", "built for another job or cost model")
+    t0 = time.perf_counter()
+    run = _Run(method, w, lib)
+    for t in range(w.steps):
+        run.step(t)
+    return run.result(time.perf_counter() - t0)
+
+
+class _Run:
+    def __init__(self, method: str, w: Workload, lib: Collectives) -> None:
+        self.method, self.w, self.lib = method, w, lib
+        self.c = lib.cost.call_overhead_s
+        self.injector = make_injector(w.imbalance, w.size, w.seed)
+        P = w.size
+        self.end = np.zeros(P)
+        self.busy_until = np.zeros(P)  # progress thread: end of its last round
+        self.waited = np.zeros(P)
+        self.messages = np.zeros(P)
+        self.sent = np.zeros(P)
+        self.arrivals = np.zeros((w.steps, P))
+        self.starts = np.zeros((w.steps, P))
+        self.fresh = 0
+        self.contributions = 0
+
+    def _count(self, timed: Any) -> None:
+        """Add one execution's messages and bytes (per member) to the totals."""
+        self.messages[timed.members] += timed.traffic.messages
+        self.sent[timed.members] += timed.traffic.bytes
+
+    def _blocking(self, dag: Any, a: np.ndarray) -> np.ndarray:
+        e = dag.evaluate(a[dag.members] + self.c)
+        out = np.empty_like(a)
+        out[dag.members] = e
+        self._count(dag)
+        return out
+
+    def step(self, t: int) -> None:
+        w, lib = self.w, self.lib
+        a = self.end + w.compute_s + self.injector.delays(t)
+        self.arrivals[t] = a
+        sync = activation.is_sync_round(t, w.sync_every)
+        m = self.method
+        if m == "allreduce" or (sync and m in ("group_allreduce", "local_sgd")):
+            e = self._blocking(lib.allreduce(w.elements), a)
+        elif m == "local_sgd":
+            e = a
+        elif m == "group_allreduce":
+            e = self._blocking(lib.partition(w.group, activation.group_step(t, w.sync_every),
+                                             w.elements), a)
+        elif m == "dpsgd":
+            e = self._blocking(lib.neighbours(w.elements), a)
+        else:
+            e = self._partial(t, a, sync)
+        self.waited += e - a
+        self.end = e
+
+    def _partial(self, t: int, a: np.ndarray, sync: bool) -> np.ndarray:
+        w, lib = self.w, self.lib
+        if sync:
+            s = np.maximum(a, self.busy_until)
+            checked = lib.arrival_check().evaluate(s + self.c)
+            self._count(lib.arrival_check())
+            e = lib.global_round(w.elements).evaluate(checked)
+            self._count(lib.global_round(w.elements))
+            fresh = np.ones(w.size, dtype=bool)
+        else:
+            act = self._activation(t, a)
+            s = np.maximum(act, self.busy_until)
+            if self.method in ("wagma", "wagma_group_scope"):
+                dag = lib.partition(w.group, activation.group_step(t, w.sync_every),
+                                    w.elements, "sum", flags=True)
+            else:
+                dag = lib.global_round(w.elements)
+            e = np.empty(w.size)
+            e[dag.members] = dag.evaluate(s[dag.members] + self.c)
+            self._count(dag)
+            fresh = a <= s
+        self.starts[t] = s
+        self.busy_until = e
+        self.fresh += int(fresh.sum())
+        self.contributions += w.size
+        return np.maximum(a, e)
+
+    def _activation(self, t: int, a: np.ndarray) -> np.ndarray:
+        """When each rank's progress thread learns that round ``t`` is on."""
+        w, cost = self.w, self.lib.cost
+        if self.method == "wagma_group_scope":
+            scopes = [np.asarray(g) for g in groups.partition(
+                w.size, w.group, activation.group_step(t, w.sync_every))]
+        else:
+            scopes = [np.arange(w.size)]
+        act = np.empty(w.size)
+        for members in scopes:
+            if self.method == "majority":
+                root = int(activation.majority_activator(w.seed, t, w.size))
+                tok, sent = token_arrivals(members, root, a[root], cost)
+                tok[root] = a[root]  # only the activator's own arrival activates
+            else:
+                root = int(np.argmin(a[members]))
+                tok, sent = token_arrivals(members, root, a[members][root], cost)
+                tok = np.minimum(tok, a[members])  # an arrival activates its own rank
+            act[members] = tok
+            self.messages[members] += sent
+            self.sent[members] += sent * TOKEN_BYTES
+        return act
+
+    def result(self, elapsed: float) -> SimResult:
+        w = self.w
+        makespan = float(self.end.max())
+        hist: dict[int, int] = {}
+        fresh_share = None
+        if self.method in PARTIAL:
+            fresh_share = self.fresh / self.contributions if self.contributions else None
+            for i in range(w.size):
+                started = np.searchsorted(self.starts[:, i], self.arrivals[:, i], side="left")
+                stale = np.maximum(0, started - np.arange(w.steps))
+                for k, v in zip(*np.unique(stale, return_counts=True)):
+                    hist[int(k)] = hist.get(int(k), 0) + int(v)
+        return SimResult(
+            method=self.method,
+            iterations_per_s=w.steps / makespan if makespan > 0 else float("inf"),
+            makespan_s=makespan,
+            wait_per_iteration_s=(self.waited / w.steps).tolist(),
+            messages_per_iteration=float(self.messages.mean() / w.steps),
+            bytes_per_iteration=float(self.sent.mean() / w.steps),
+            fresh_share=fresh_share,
+            staleness_histogram=dict(sorted(hist.items())),
+            simulated_in_s=elapsed)
+
