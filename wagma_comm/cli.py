@@ -1,7 +1,9 @@
 """The ``wagma`` command: ``wagma schedule`` prints compiled schedules,
 ``wagma bench`` runs the collective benchmark and ``wagma imbalance`` the
 throughput-under-stragglers benchmark (both under mpiexec); ``wagma demo`` trains
-a classifier with WAGMA-SGD and its baselines."""
+a classifier with WAGMA-SGD and its baselines; ``wagma sim`` simulates the
+compiled schedules at any scale and ``wagma plan`` picks a group size and sync
+period."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import cli as bench_cli
     from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
+    from .sim import cli as sim_cli
 
     parser = argparse.ArgumentParser(prog="wagma", description=__doc__)
     parser.add_argument("--version", action="version", version=f"wagma_comm {__version__}")
@@ -24,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     imbalance_cli.add_parser(sub)
     demo_cli.add_parser(sub)
+    sim_cli.add_parsers(sub)
     return parser
 
 
@@ -32,13 +36,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import cli as bench_cli
     from .bench import imbalance as imbalance_cli
     from .schedule import cli as schedule_cli
+    from .sim import cli as sim_cli
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "imbalance"]:  # `wagma bench imbalance` = `wagma imbalance`
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     commands = {"schedule": schedule_cli.run, "bench": bench_cli.run,
-                "imbalance": imbalance_cli.run, "demo": demo_cli.run}
+                "imbalance": imbalance_cli.run, "demo": demo_cli.run,
+                "sim": sim_cli.run_sim, "plan": sim_cli.run_plan}
     return int(commands[args.command](args) or 0)
 
 

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-METHODS = ("wagma", "wagma_group_scope", "group_allreduce", "allreduce", "solo", "majority")
+METHODS = ("wagma", "wagma_group_scope", "group_allreduce", "allreduce", "solo", "majority",
+           "dpsgd", "local_sgd")
 
 
 def add_parser(sub: Any) -> None:
@@ -58,6 +59,7 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
     """Build one measurement: returns a function that runs ``steps`` iterations
     and returns this rank's elapsed seconds."""
     group_size, tau = args.group_size, args.sync_every
+    closer: Callable[[], None] = lambda: None
 
     if method in ("wagma", "wagma_group_scope"):
         scope = "group" if method == "wagma_group_scope" else "global"
@@ -84,6 +86,17 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
 
         def collective(t: int) -> None:
             comm.allreduce(model, "avg")
+    elif method in ("dpsgd", "local_sgd"):  # the training layer's own baselines
+        from ..train.methods import DPSGD, LocalSGD
+
+        coll = None
+        baseline = DPSGD() if method == "dpsgd" else LocalSGD(tau)
+        baseline.setup(comm, [model])
+        closer = baseline.close
+
+        def collective(t: int) -> None:
+            baseline.start(t, [model])
+            baseline.finish()
     else:
         raise SystemExit(f"unknown method {method!r}; expected some of {', '.join(METHODS)}")
 
@@ -105,7 +118,7 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
             coll.flush()
         return elapsed
 
-    run.close = (lambda: coll.close()) if coll is not None else (lambda: None)  # type: ignore[attr-defined]
+    run.close = coll.close if coll is not None else closer  # type: ignore[attr-defined]
     run.statistics = (lambda: coll.statistics()) if coll is not None else dict  # type: ignore[attr-defined]
     run.waits = waits  # type: ignore[attr-defined]
     return run
@@ -171,7 +184,7 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     return {"ranks": P, "compute_s": args.compute, "injector": injector.spec,
             "delay_s": getattr(injector, "delay_s", None),
             "sync_every": args.sync_every, "group_size": args.group_size,
-            "elements": args.elements, "steps": steps, "rounds": args.rounds,
+            "elements": args.elements, "seed": args.seed, "steps": steps, "rounds": args.rounds,
             "rates": rates, "expected": expected, "fresh_share": fresh,
             "wait_per_iteration_s": waits, "staleness_histogram": staleness,
             "expected_wait_avoiding": waitavoid, "expected_wait_avoiding_exact": exact,

@@ -169,10 +169,19 @@ class _Run:
         self.end = e
 
     def _partial(self, t: int, a: np.ndarray, sync: bool) -> np.ndarray:
-        w, lib = self.w, self.lib
+        """One round of a persistent partial collective. Besides its schedule a
+        round costs what ``partial/`` does on the host: step() copies the
+        contribution in (before it activates), the progress thread copies the
+        published model into the round buffer, and the result is averaged into
+        the caller's buffer before step() returns."""
+        w, lib, cost = self.w, self.lib, self.lib.cost
+        nbytes = w.elements * w.itemsize
+        copy = cost.op_overhead_s + nbytes * cost.copy_s_per_byte
+        finish = cost.op_overhead_s + nbytes * cost.reduce_s_per_byte
+        a = a + copy  # _contribute
         if sync:
             s = np.maximum(a, self.busy_until)
-            checked = lib.arrival_check().evaluate(s + self.c)
+            checked = lib.arrival_check().evaluate(s + self.c + copy)
             self._count(lib.arrival_check())
             e = lib.global_round(w.elements).evaluate(checked)
             self._count(lib.global_round(w.elements))
@@ -186,14 +195,15 @@ class _Run:
             else:
                 dag = lib.global_round(w.elements)
             e = np.empty(w.size)
-            e[dag.members] = dag.evaluate(s[dag.members] + self.c)
+            e[dag.members] = dag.evaluate(s[dag.members] + self.c + copy)
             self._count(dag)
             fresh = a <= s
         self.starts[t] = s
+        self.arrivals[t] = a
         self.busy_until = e
         self.fresh += int(fresh.sum())
         self.contributions += w.size
-        return np.maximum(a, e)
+        return np.maximum(a, e) + finish
 
     def _activation(self, t: int, a: np.ndarray) -> np.ndarray:
         """When each rank's progress thread learns that round ``t`` is on."""

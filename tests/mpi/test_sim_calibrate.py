@@ -1,0 +1,53 @@
+"""``wagma sim --calibrate`` under a real MPI job (any number of ranks): the
+measured cost model is complete, identical on every rank, plausible in units,
+survives a file round trip, and the simulator runs with it. Timing decides no
+verdict here; how close simulation comes to measurement is bench/sim_validate.sh's
+job (docs/scale.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mpi4py import MPI
+
+from wagma_comm import Communicator
+from wagma_comm.sim import CostModel, Workload, simulate
+from wagma_comm.sim.calibrate import PING_SIZES, calibrate
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+def test_calibration_measures_every_parameter(comm: Communicator, tmp_path_factory: Any) -> None:
+    model, raw = calibrate(comm, repeats=3)
+    assert WORLD.allgather(model) == [model] * SIZE  # every rank got the same model
+    assert raw["ranks"] == SIZE
+    hosts = WORLD.allgather(MPI.Get_processor_name())
+    assert model.ranks_per_node == hosts.count(hosts[0])
+    for name in ("latency_intra_s", "latency_inter_s", "reduce_s_per_byte",
+                 "copy_s_per_byte", "op_overhead_s", "call_overhead_s"):
+        value = getattr(model, name)
+        assert math.isfinite(value) and 0 <= value < 1.0, (name, value)
+    assert model.reduce_s_per_byte > 0 and model.copy_s_per_byte > 0
+    assert model.call_overhead_s > 0  # a real call always costs something
+    if SIZE > 1:  # a ping-pong pair exists: every size was measured
+        table = raw["ping_pong_intra"] if "ping_pong_intra" in raw else raw["ping_pong_inter"]
+        assert [row["bytes"] for row in table] == list(PING_SIZES)
+        assert all(row["half_rtt_s"] > 0 for row in table)
+        assert 1e6 < model.bandwidth_intra < 1e13  # bytes/s, not bits or GB
+        groups = [row["group_size"] for row in raw["group_allreduce"]]
+        assert groups and groups[-1] == SIZE and all(g > 1 for g in groups)
+        assert {row["bytes"] for row in raw["group_allreduce"]} == {8, 1 << 20, 4 << 20}
+        assert all(row["measured_s"] > 0 and row["simulated_s"] > 0
+                   for row in raw["group_allreduce"])
+        assert raw["contention_factor"] > 0
+    path = WORLD.bcast(str(tmp_path_factory.mktemp("cal") / "cost.json") if RANK == 0
+                       else None)
+    if RANK == 0:
+        model.save(path, {"measurements": raw})
+    WORLD.Barrier()
+    assert CostModel.load(path) == model
+    w = Workload(SIZE, 1024, 0.01, "reference:0.01:1", steps=4, sync_every=2)
+    res = simulate("wagma", w, model)
+    assert 0 < res.iterations_per_s < 100  # bounded by the 10 ms compute step

@@ -1,0 +1,235 @@
+"""``wagma sim --calibrate``: measure the cost model with real collectives.
+
+Run under the launcher on the machine (or allocation) to be modelled:
+``mpiexec -n 8 wagma sim --calibrate --out cost.json``. Every rank takes part;
+rank 0 writes the file. What is measured, and how each parameter follows:
+
+* latency and bandwidth: an MPI ping-pong (the library our host transport
+  drives) between rank 0 and a rank on its node, and one on another node if
+  there is one; half round trips over 8 B..4 MiB, fitted to ``L + n / B``.
+  Idle ranks wait without spinning, so the pair is not starved of cores;
+* reduction and copy rates: the host kernels (float32 sum, ``reduce_into``;
+  ``np.copyto``) timed on every rank at once, as in a real collective;
+* call overhead: a ``group_allreduce`` over a group of one (the whole API and
+  progress-engine round trip, no message);
+* per-op overhead and contention: real ``group_allreduce`` calls over groups
+  of 2, 4, ... ranks at 8 B, 1 MiB and 4 MiB cost more than the parameters
+  above explain (every rank communicates at once; on an oversubscribed node
+  they share cores). ``o`` and a factor dividing the ping-pong bandwidths are
+  fitted by least squares, with the simulator's own critical paths as the
+  design matrix (ops on the path, transfer time on the path).
+
+The file records the raw measurements too, so docs can show the fit.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import FLOAT32
+from ..kernels import host as host_kernels
+from .collectives import Collectives
+from .cost import CostModel
+
+PING_SIZES = (8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20)
+KERNEL_ELEMENTS = (1 << 18, 1 << 20, 1 << 22)
+FIT_ELEMENTS = (2, 1 << 18, 1 << 20)  # float32: 8 B, 1 MiB, 4 MiB
+
+
+def _quiet_wait(mpi_comm: Any) -> None:
+    """A barrier that sleeps instead of spinning (idle ranks must not steal
+    the cores the measuring pair runs on)."""
+    req = mpi_comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` weighted by 1/y (relative error), a, b >= 0."""
+    w = 1.0 / np.maximum(y, 1e-12)
+    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    return max(float(a), 0.0), max(float(b), 1e-15)
+
+
+def _ping_pong(mpi_comm: Any, peer: int, repeats: int) -> list[tuple[int, float]]:
+    """Half round-trip seconds per size between rank 0 and ``peer``."""
+    rank = mpi_comm.Get_rank()
+    out = []
+    for n in PING_SIZES:
+        buf = np.zeros(max(n, 1), dtype=np.uint8)
+        times = []
+        _quiet_wait(mpi_comm)
+        if rank in (0, peer):
+            other = peer if rank == 0 else 0
+            for i in range(repeats + 2):
+                t0 = time.perf_counter()
+                if rank == 0:
+                    mpi_comm.Send(buf, other, 7)
+                    mpi_comm.Recv(buf, other, 7)
+                else:
+                    mpi_comm.Recv(buf, other, 7)
+                    mpi_comm.Send(buf, other, 7)
+                if i >= 2:
+                    times.append((time.perf_counter() - t0) / 2)
+        out.append((n, statistics.median(times) if times else 0.0))
+    return out
+
+
+def _kernel_rates(repeats: int) -> tuple[float, float, list[dict[str, float]]]:
+    rows, reduce_fit, copy_fit = [], [], []
+    for n in KERNEL_ELEMENTS:
+        dst = np.ones(n, dtype=np.float32)
+        src = np.ones(n, dtype=np.float32)
+        host_kernels.reduce_into(dst, src, "sum", FLOAT32)  # compile / warm
+        r, c = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            host_kernels.reduce_into(dst, src, "sum", FLOAT32)
+            r.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            c.append(time.perf_counter() - t0)
+        rows.append({"bytes": 4 * n, "reduce_s": statistics.median(r),
+                     "copy_s": statistics.median(c)})
+        reduce_fit.append(statistics.median(r) / (4 * n))
+        copy_fit.append(statistics.median(c) / (4 * n))
+    return statistics.median(reduce_fit), statistics.median(copy_fit), rows
+
+
+def _timed_calls(comm: Any, buf: np.ndarray, group_size: int, repeats: int) -> float:
+    """Seconds per blocking group_allreduce (sum) of ``buf`` over groups of
+    ``group_size`` at step 0, the slowest rank's median of 3 timed batches."""
+    from mpi4py import MPI
+
+    per_call = []
+    for _ in range(3):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for i in range(repeats):
+            comm.group_allreduce(buf, group_size, 0, "sum")
+        per_call.append((time.perf_counter() - t0) / repeats)
+    return MPI.COMM_WORLD.allreduce(statistics.median(per_call), op=MPI.MAX)
+
+
+def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
+    """Measure every parameter (collective: all ranks call it). Returns the
+    model and the raw measurements (the same on every rank)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD.Dup()
+    try:
+        P = world.Get_size()
+        hosts = world.allgather(MPI.Get_processor_name())
+        per_node = hosts.count(hosts[0])
+        placed_in_blocks = all(hosts[r] == hosts[(r // per_node) * per_node] for r in range(P))
+        intra_peer = next((r for r in range(1, P) if hosts[r] == hosts[0]), None)
+        inter_peer = next((r for r in range(1, P) if hosts[r] != hosts[0]), None)
+        raw: dict[str, Any] = {"ranks": P, "hosts": sorted(set(hosts)),
+                               "ranks_per_node": per_node,
+                               "placed_in_blocks": placed_in_blocks,
+                               "machine": platform.processor() or platform.machine()}
+        fits = {}
+        for label, peer in (("intra", intra_peer), ("inter", inter_peer)):
+            if peer is None:
+                continue
+            table = world.bcast(_ping_pong(world, peer, repeats), root=0)
+            raw[f"ping_pong_{label}"] = [{"bytes": n, "half_rtt_s": t} for n, t in table]
+            x = np.array([n for n, _ in table], float)
+            y = np.array([t for _, t in table], float)
+            fits[label] = _fit_line(x, y)
+        if "intra" not in fits:  # one rank per node: the inter-node pair is all there is
+            fits["intra"] = fits.get("inter", (0.0, 1e-12))
+        if "inter" not in fits:
+            fits["inter"] = fits["intra"]
+            raw["inter_node"] = "not measured (one node): taken equal to intra-node"
+        world.Barrier()
+        reduce_b, copy_b, kernel_rows = _kernel_rates(max(5, repeats // 3))
+        reduce_b = statistics.median(world.allgather(reduce_b))
+        copy_b = statistics.median(world.allgather(copy_b))
+        raw["kernels_rank0"] = kernel_rows
+
+        one = np.zeros(2, dtype=np.float32)
+        call = _timed_calls(comm, one, 1, repeats)
+        pp = CostModel(
+            latency_intra_s=fits["intra"][0], latency_inter_s=fits["inter"][0],
+            bandwidth_intra=1 / fits["intra"][1], bandwidth_inter=1 / fits["inter"][1],
+            reduce_s_per_byte=reduce_b, copy_s_per_byte=copy_b, op_overhead_s=0.0,
+            call_overhead_s=call, ranks_per_node=per_node)
+        raw["ping_pong_model"] = pp.to_dict()
+        rows = []
+        for S in sorted({s for s in (2, 4, 8, 16, 32, 64, P) if 1 < s <= P}):
+            for elements in FIT_ELEMENTS:
+                reps = repeats if elements < 4096 else max(3, repeats // 6)
+                buf = np.zeros(elements, dtype=np.float32)
+                rows.append({"group_size": S, "bytes": 4 * elements,
+                             "measured_s": _timed_calls(comm, buf, S, reps)})
+        model = _fit_overheads(pp, rows, P)
+        raw["contention_factor"] = pp.bandwidth_intra / model.bandwidth_intra
+        for row in rows:
+            row["simulated_s"] = _simulated(model, P, row)
+        raw["group_allreduce"] = rows
+        model = model.with_(
+            name=f"calibrated:{hosts[0]}:P={P}",
+            source=f"wagma sim --calibrate on {len(set(hosts))} node(s), {P} ranks, "
+                   f"{per_node} per node, {time.strftime('%Y-%m-%d')}")
+        return model, raw
+    finally:
+        world.Free()
+
+
+def _simulated(model: CostModel, P: int, row: dict[str, Any]) -> float:
+    """A blocking group_allreduce (sum) at step 0 as the simulator times it."""
+    dag = Collectives(P, model, 4).partition(row["group_size"], 0, row["bytes"] // 4, "sum")
+    return dag.cost_of() + model.call_overhead_s
+
+
+def _fit_overheads(pp: CostModel, rows: list[dict[str, Any]], P: int) -> CostModel:
+    """Fit the per-op overhead ``o`` and a bandwidth factor ``k`` (the ping-pong
+    bandwidths divided by k: what a rank gets while every rank communicates)
+    to the measured group allreduces, by least squares on relative error:
+    measured ~ base + n_o * o + T_b * k, where base is the simulated time with
+    o = 0 and infinite bandwidth, n_o the critical path's op count (simulated
+    with only o = 1 s) and T_b its transfer time at ping-pong bandwidth."""
+    inf = float("inf")
+    base_m = pp.with_(bandwidth_intra=inf, bandwidth_inter=inf)
+    unit_o = CostModel(0.0, 0.0, inf, inf, 0.0, 0.0, 1.0, 0.0, pp.ranks_per_node)
+    unit_b = CostModel(0.0, 0.0, pp.bandwidth_intra, pp.bandwidth_inter, 0.0, 0.0, 0.0, 0.0,
+                       pp.ranks_per_node)
+    A, y = [], []
+    for row in rows:
+        base = _simulated(base_m, P, row)
+        n_o = _simulated(unit_o, P, row)
+        t_b = _simulated(unit_b, P, row)
+        m = row["measured_s"]
+        A.append([n_o / m, t_b / m])
+        y.append((m - base) / m)
+    if not A:
+        return pp
+    o, k = _nonnegative_lstsq(np.array(A), np.array(y))
+    k = max(k, 1e-3)
+    return pp.with_(op_overhead_s=o, bandwidth_intra=pp.bandwidth_intra / k,
+                    bandwidth_inter=pp.bandwidth_inter / k)
+
+
+def _nonnegative_lstsq(A: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Two-variable least squares with both variables >= 0 (try the free
+    solution, else the best single-variable one)."""
+    sol, *_ = np.linalg.lstsq(A, y, rcond=None)
+    if np.all(sol >= 0):
+        return float(sol[0]), float(sol[1])
+    best: tuple[float, tuple[float, float]] | None = None
+    for j in (0, 1):
+        col = A[:, j]
+        x = max(0.0, float(col @ y / (col @ col))) if col @ col > 0 else 0.0
+        cand = (x, 0.0) if j == 0 else (0.0, x)
+        err = float(np.sum((A @ np.array(cand) - y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, cand)
+    assert best is not None
+    return best[1]

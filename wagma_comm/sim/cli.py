@@ -1,0 +1,260 @@
+"""``wagma sim`` and ``wagma plan``: the simulator's command lines.
+
+``wagma sim`` simulates training iterations of every method for one or more
+job sizes (``--ranks 64,256,1024``) under a cost model (``--cost FILE`` from
+``--calibrate``, or a preset: ``gpu-cluster``, ``zero``). ``--calibrate``
+(under mpiexec/srun) measures the cost model and writes it; ``--validate
+FILE`` re-simulates a ``wagma imbalance --json`` measurement and compares.
+``wagma plan`` recommends a group size and sync period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .cost import CostModel
+from .training import METHODS, Workload, simulate
+
+VALIDATION_TOLERANCE = 0.20  # simulated it/s within 20% of measured (issue #8)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _workload_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost", default="gpu-cluster",
+                   help="cost model: a JSON file from --calibrate, or a preset "
+                        "(gpu-cluster, zero); default gpu-cluster")
+    p.add_argument("--elements", type=int, default=None, help="model elements")
+    p.add_argument("--model-mb", type=float, default=100.0,
+                   help="model size in MB (1e6 bytes) when --elements is not given")
+    p.add_argument("--itemsize", type=int, default=4, help="bytes per element")
+    p.add_argument("--compute", type=float, default=0.2, help="compute seconds per step")
+    p.add_argument("--imbalance", default="reference:0.32:2",
+                   help="injector: none | reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] "
+                        "| slownode:DELAY[:RANKS_PER_NODE[:NODE]]")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--algorithm", default=None,
+                   help="force an allreduce algorithm (default: the runtime's choice)")
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("sim", help="simulate methods at any scale (no MPI needed)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _workload_options(p)
+    p.add_argument("--ranks", type=_int_list, default=[64], help="job sizes, e.g. 64,256,1024")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--json", default=None, help="write the results as JSON")
+    p.add_argument("--plot", default=None, help="PNG of it/s against ranks (several --ranks)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the cost model here (run under mpiexec/srun)")
+    p.add_argument("--out", default="cost.json", help="where --calibrate writes")
+    p.add_argument("--repeats", type=int, default=30, help="--calibrate repetitions")
+    p.add_argument("--validate", default=None, metavar="MEASURED.json",
+                   help="compare with a `wagma imbalance --json` measurement")
+
+    q = sub.add_parser("plan", help="recommend a group size and sync period",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _workload_options(q)
+    q.add_argument("--ranks", type=int, required=True)
+    q.add_argument("--group-sizes", type=_int_list, default=None,
+                   help="candidates (default: powers of two up to 64)")
+    q.add_argument("--sync-periods", type=_int_list, default=[5, 10, 20, 40])
+    q.add_argument("--tolerance", type=float, default=0.05,
+                   help="throughput within this fraction of the best counts as equal")
+    q.set_defaults(steps=200)
+
+
+def _elements(args: argparse.Namespace) -> int:
+    if args.elements is not None:
+        return args.elements
+    return max(0, int(args.model_mb * 1e6) // args.itemsize)
+
+
+def _methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise InvalidArgumentError("methods", f"unknown {unknown}; expected some of "
+                                   f"{', '.join(METHODS)}")
+    return methods
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"
+
+
+def print_table(size: int, w: Workload, cost: CostModel, results: dict[str, Any]) -> None:
+    base = results.get("allreduce")
+    print(f"# wagma sim: {size} ranks ({cost.ranks_per_node} per node), model "
+          f"{_fmt_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, "
+          f"injector {w.imbalance}, group {w.group}, sync every {w.sync_every}, "
+          f"{w.steps} steps, cost model {cost.name}")
+    print(f"{'method':>18} {'it/s':>8} {'vs allreduce':>12} {'wait ms':>8} {'fresh':>6} "
+          f"{'msgs/it':>8} {'bytes/it':>10} {'sim s':>6}  staleness")
+    for m, r in results.items():
+        ratio = f"{r.iterations_per_s / base.iterations_per_s:.2f}x" if base else "-"
+        fresh = f"{100 * r.fresh_share:.0f}%" if r.fresh_share is not None else "-"
+        hist = r.staleness_histogram
+        print(f"{m:>18} {r.iterations_per_s:8.3f} {ratio:>12} {1e3 * r.mean_wait_s:8.2f} "
+              f"{fresh:>6} {r.messages_per_iteration:8.1f} "
+              f"{_fmt_bytes(r.bytes_per_iteration):>10} {r.simulated_in_s:6.1f}  "
+              f"{hist if hist else ''}")
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    cost = CostModel.load(args.cost)
+    if args.validate:
+        return _validate(args, cost)
+    methods = _methods(args.methods)
+    out = []
+    from .collectives import Collectives
+
+    for size in args.ranks:
+        w = Workload(size, _elements(args), args.compute, args.imbalance, args.steps,
+                     min(args.group_size, size), args.sync_every, args.itemsize, args.seed,
+                     args.algorithm)
+        lib = Collectives(size, cost, w.itemsize, w.algorithm)
+        results = {m: simulate(m, w, cost, lib) for m in methods}
+        print_table(size, w, cost, results)
+        print(flush=True)
+        out.append({"ranks": size, "workload": vars_of(w), "cost_model": cost.to_dict(),
+                    "results": {m: r.to_dict() for m, r in results.items()}})
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"runs": out}, fh, indent=1)
+    if args.plot:
+        from .plots import plot_scale
+
+        plot_scale(out, args.plot)
+        print(f"# plot written to {args.plot}")
+    return 0
+
+
+def vars_of(w: Workload) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(w)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import wagma_comm
+
+    from .calibrate import calibrate
+
+    comm = wagma_comm.init()
+    try:
+        t0 = time.perf_counter()
+        model, raw = calibrate(comm, repeats=args.repeats)
+        if comm.rank == 0:
+            model.save(args.out, {"measurements": raw})
+            print(f"# wagma sim --calibrate: {raw['ranks']} ranks, "
+                  f"{raw['ranks_per_node']} per node, {time.perf_counter() - t0:.1f} s")
+            print_cost(model)
+            print(f"# fitted: per-op overhead, and ping-pong bandwidth / "
+                  f"{raw['contention_factor']:.2f} (every rank communicating at once)")
+            print("# group_allreduce (sum, float32): measured vs simulated with this model")
+            for row in raw["group_allreduce"]:
+                print(f"  group of {row['group_size']:>4}, {row['bytes']:>8} B: "
+                      f"{1e6 * row['measured_s']:10.1f} us measured, "
+                      f"{1e6 * row['simulated_s']:10.1f} us simulated "
+                      f"({row['simulated_s'] / row['measured_s']:.2f}x)")
+            print(f"# written to {args.out}")
+    finally:
+        comm.close()
+    return 0
+
+
+def print_cost(model: CostModel) -> None:
+    rows = [("latency intra-node", f"{model.latency_intra_s * 1e6:.2f} us"),
+            ("latency inter-node", f"{model.latency_inter_s * 1e6:.2f} us"),
+            ("bandwidth intra-node", f"{model.bandwidth_intra / 1e9:.2f} GB/s"),
+            ("bandwidth inter-node", f"{model.bandwidth_inter / 1e9:.2f} GB/s"),
+            ("reduce", f"{1 / model.reduce_s_per_byte / 1e9:.2f} GB/s of input"
+             if model.reduce_s_per_byte else "free"),
+            ("copy", f"{1 / model.copy_s_per_byte / 1e9:.2f} GB/s" if model.copy_s_per_byte
+             else "free"),
+            ("per-op overhead", f"{model.op_overhead_s * 1e6:.1f} us"),
+            ("per-call overhead", f"{model.call_overhead_s * 1e6:.1f} us"),
+            ("ranks per node", str(model.ranks_per_node))]
+    for name, value in rows:
+        print(f"  {name:>22}: {value}")
+
+
+def _validate(args: argparse.Namespace, cost: CostModel) -> int:
+    """Simulate what ``wagma imbalance --json`` measured, method by method."""
+    with open(args.validate) as fh:
+        res = json.load(fh)
+    w = Workload(res["ranks"], res["elements"], res["compute_s"], res["injector"],
+                 res["steps"], res["group_size"], res["sync_every"], 4, res.get("seed", 0))
+    from .collectives import Collectives
+
+    lib = Collectives(w.size, cost, 4)
+    print(f"# validation: {w.size} ranks, compute {w.compute_s * 1e3:g} ms, injector "
+          f"{w.imbalance}, group {w.group}, sync every {w.sync_every}, {w.steps} steps, "
+          f"{w.elements} x float32; cost model {cost.name}")
+    print(f"{'method':>18} {'measured it/s':>14} {'simulated':>10} {'sim/meas':>9} "
+          f"{'within 20%':>11}")
+    ok = True
+    rows = []
+    for m, measured in res["rates"].items():
+        r = simulate(m, w, cost, lib)
+        ratio = r.iterations_per_s / measured
+        good = abs(ratio - 1) <= VALIDATION_TOLERANCE
+        ok &= good
+        rows.append({"method": m, "measured": measured, "simulated": r.iterations_per_s,
+                     "ratio": ratio, "pass": good})
+        print(f"{m:>18} {measured:14.2f} {r.iterations_per_s:10.2f} {ratio:9.3f} "
+              f"{'PASS' if good else 'FAIL':>11}")
+    print(f"# {'all within' if ok else 'NOT all within'} {VALIDATION_TOLERANCE:.0%}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"workload": vars_of(w), "cost_model": cost.to_dict(), "rows": rows}, fh,
+                      indent=1)
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    cost = CostModel.load(args.cost)
+    w = Workload(args.ranks, _elements(args), args.compute, args.imbalance, args.steps,
+                 0, 10, args.itemsize, args.seed, args.algorithm)
+    t0 = time.perf_counter()
+    candidates, chosen = plan(w, cost, args.group_sizes, args.sync_periods, args.tolerance)
+    base = simulate("allreduce", w, cost)
+    print(f"# wagma plan: {w.size} ranks ({cost.ranks_per_node} per node), model "
+          f"{_fmt_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, injector "
+          f"{w.imbalance}, {w.steps} steps, cost model {cost.name}")
+    print(f"# global allreduce SGD for reference: {base.iterations_per_s:.3f} it/s")
+    print(f"{'group':>6} {'sync':>5} {'it/s':>8} {'vs allreduce':>12} {'mixing it':>9} "
+          f"{'wait ms':>8} {'fresh':>6}")
+    for c in candidates:
+        mark = "  <- recommended" if c == chosen else ""
+        fresh = f"{100 * c.fresh_share:.0f}%" if c.fresh_share is not None else "-"
+        print(f"{c.group_size:>6} {c.sync_every:>5} {c.iterations_per_s:8.3f} "
+              f"{c.iterations_per_s / base.iterations_per_s:11.2f}x "
+              f"{c.mixing_iterations:>9g} {1e3 * c.mean_wait_s:8.2f} {fresh:>6}{mark}")
+    print(f"# recommended: group size {chosen.group_size}, sync every {chosen.sync_every} "
+          f"({chosen.iterations_per_s:.3f} it/s; every model mixed with all others after "
+          f"{chosen.mixing_iterations:g} iterations); rule: fastest mixing among "
+          f"candidates within {args.tolerance:.0%} of the best throughput "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
