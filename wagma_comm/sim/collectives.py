@@ -127,6 +127,13 @@ class Collectives:
                  algorithm: str | None = None) -> None:
         self.size, self.cost, self.itemsize, self.algorithm = size, cost, itemsize, algorithm
         self.everyone = tuple(range(size))
+        # Per-instance caches (a class-level lru_cache would keep every instance's
+        # DAGs alive for the life of the process).
+        self.allreduce = lru_cache(maxsize=64)(self._allreduce)  # type: ignore[method-assign]
+        self._partition = lru_cache(maxsize=64)(self._partition_of)  # type: ignore[method-assign]
+        self.global_round = lru_cache(maxsize=8)(self._global_round)  # type: ignore[method-assign]
+        self.arrival_check = lru_cache(maxsize=1)(self._arrival_check)  # type: ignore[method-assign]
+        self.neighbours = lru_cache(maxsize=8)(self._neighbours)  # type: ignore[method-assign]
 
     def _name(self, count: int, n: int) -> str:
         """The algorithm the runtime would pick (or the one forced)."""
@@ -143,8 +150,7 @@ class Collectives:
             schedules.extend(compile_one(r, g, n_el, op, name) for r in g)
         return TimedDag(schedules, self.cost, self.itemsize)
 
-    @lru_cache(maxsize=64)
-    def allreduce(self, count: int, op: str = "avg") -> TimedDag:
+    def _allreduce(self, count: int, op: str = "avg") -> TimedDag:
         """A blocking allreduce over every rank (``comm.allreduce``)."""
         return self._dag([self.everyone], count, op, flags=False)
 
@@ -155,24 +161,20 @@ class Collectives:
         k = groups.num_steps(self.size, group_size)
         return self._partition(group_size, step % max(k, 1), count, op, flags)
 
-    @lru_cache(maxsize=64)
-    def _partition(self, group_size: int, step: int, count: int, op: str,
+    def _partition_of(self, group_size: int, step: int, count: int, op: str,
                    flags: bool) -> TimedDag:
         parts = list(groups.partition(self.size, group_size, step))
         return self._dag(parts, count, op, flags)
 
-    @lru_cache(maxsize=8)
-    def global_round(self, count: int) -> TimedDag:
+    def _global_round(self, count: int) -> TimedDag:
         """The data stage of a partial collective's round over every rank."""
         return self._dag([self.everyone], count, "sum", flags=True)
 
-    @lru_cache(maxsize=4)
-    def arrival_check(self) -> AllToAllTiming:
+    def _arrival_check(self) -> AllToAllTiming:
         """The all-to-all of one int64 before every synchronous round."""
         return AllToAllTiming(self.everyone, 1, self.cost, 8)
 
-    @lru_cache(maxsize=8)
-    def neighbours(self, count: int) -> TimedDag:
+    def _neighbours(self, count: int) -> TimedDag:
         """D-PSGD: every rank averages with its ring neighbours."""
         from ..train.methods.gossip import ring_neighbours
 

@@ -18,6 +18,7 @@ A LogGP-flavoured model, kept small enough to calibrate from a few real runs:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -45,7 +46,8 @@ class CostModel:
             value = getattr(self, f.name)
             if f.name in ("name", "source"):
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or math.isnan(value) or value < 0):
                 raise InvalidArgumentError(f.name, f"expected a number >= 0, got {value!r}")
         if self.bandwidth_intra <= 0 or self.bandwidth_inter <= 0:
             raise InvalidArgumentError("bandwidth", "bandwidths must be > 0 bytes/s")

@@ -26,6 +26,7 @@ after this one that had started on the rank when its application arrived.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from .. import groups
 from ..errors import InvalidArgumentError
 from ..imbalance import make_injector
 from ..runtime import activation
+from ..schedule.algorithms import ALLREDUCE_ALGORITHMS
 from .collectives import Collectives, token_arrivals
 from .cost import TOKEN_BYTES, CostModel
 
@@ -69,9 +71,13 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(name, f"expected an int >= {minimum}, got {value!r}")
-        if not isinstance(self.compute_s, (int, float)) or self.compute_s < 0:
-            raise InvalidArgumentError("compute_s", f"expected seconds >= 0, got "
-                                       f"{self.compute_s!r}")
+        c = self.compute_s
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) \
+                or c < 0:
+            raise InvalidArgumentError("compute_s", f"expected finite seconds >= 0, got {c!r}")
+        if self.algorithm is not None and self.algorithm not in ALLREDUCE_ALGORITHMS:
+            raise InvalidArgumentError("algorithm", f"unknown algorithm {self.algorithm!r}; "
+                                       f"expected one of {list(ALLREDUCE_ALGORITHMS)}")
         groups.check_group_size(self.size, self.group)
         make_injector(self.imbalance, self.size, self.seed)  # reject a bad spec now
 
@@ -113,6 +119,9 @@ def simulate(method: str, workload: Workload, cost: CostModel,
     if (lib.size, lib.cost, lib.itemsize, lib.algorithm) != (w.size, cost, w.itemsize,
                                                              w.algorithm):
         raise InvalidArgumentError("collectives", "built for another job or cost model")
+    if method in PARTIAL and w.algorithm == "native":
+        raise InvalidArgumentError("algorithm", "partial collectives never run native rounds "
+                                   "(their results must be bitwise identical on every member)")
     t0 = time.perf_counter()
     run = _Run(method, w, lib)
     for t in range(w.steps):
