@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from typing import Any
 
+from ..bench.plot import human_bytes
 from ..errors import InvalidArgumentError
+from .collectives import Collectives
 from .cost import CostModel
 from .training import METHODS, Workload, simulate
 
@@ -91,18 +94,10 @@ def _methods(text: str) -> list[str]:
     return methods
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"
-
-
 def print_table(size: int, w: Workload, cost: CostModel, results: dict[str, Any]) -> None:
     base = results.get("allreduce")
     print(f"# wagma sim: {size} ranks ({cost.ranks_per_node} per node), model "
-          f"{_fmt_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, "
+          f"{human_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, "
           f"injector {w.imbalance}, group {w.group}, sync every {w.sync_every}, "
           f"{w.steps} steps, cost model {cost.name}")
     print(f"{'method':>18} {'it/s':>8} {'vs allreduce':>12} {'wait ms':>8} {'fresh':>6} "
@@ -113,7 +108,7 @@ def print_table(size: int, w: Workload, cost: CostModel, results: dict[str, Any]
         hist = r.staleness_histogram
         print(f"{m:>18} {r.iterations_per_s:8.3f} {ratio:>12} {1e3 * r.mean_wait_s:8.2f} "
               f"{fresh:>6} {r.messages_per_iteration:8.1f} "
-              f"{_fmt_bytes(r.bytes_per_iteration):>10} {r.simulated_in_s:6.1f}  "
+              f"{human_bytes(r.bytes_per_iteration):>10} {r.simulated_in_s:6.1f}  "
               f"{hist if hist else ''}")
 
 
@@ -125,8 +120,6 @@ def run_sim(args: argparse.Namespace) -> int:
         return _validate(args, cost)
     methods = _methods(args.methods)
     out = []
-    from .collectives import Collectives
-
     for size in args.ranks:
         w = Workload(size, _elements(args), args.compute, args.imbalance, args.steps,
                      min(args.group_size, size), args.sync_every, args.itemsize, args.seed,
@@ -135,7 +128,7 @@ def run_sim(args: argparse.Namespace) -> int:
         results = {m: simulate(m, w, cost, lib) for m in methods}
         print_table(size, w, cost, results)
         print(flush=True)
-        out.append({"ranks": size, "workload": vars_of(w), "cost_model": cost.to_dict(),
+        out.append({"ranks": size, "workload": asdict(w), "cost_model": cost.to_dict(),
                     "results": {m: r.to_dict() for m, r in results.items()}})
     if args.json:
         with open(args.json, "w") as fh:
@@ -146,12 +139,6 @@ def run_sim(args: argparse.Namespace) -> int:
         plot_scale(out, args.plot)
         print(f"# plot written to {args.plot}")
     return 0
-
-
-def vars_of(w: Workload) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(w)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -204,8 +191,6 @@ def _validate(args: argparse.Namespace, cost: CostModel) -> int:
         res = json.load(fh)
     w = Workload(res["ranks"], res["elements"], res["compute_s"], res["injector"],
                  res["steps"], res["group_size"], res["sync_every"], 4, res.get("seed", 0))
-    from .collectives import Collectives
-
     lib = Collectives(w.size, cost, 4)
     print(f"# validation: {w.size} ranks, compute {w.compute_s * 1e3:g} ms, injector "
           f"{w.imbalance}, group {w.group}, sync every {w.sync_every}, {w.steps} steps, "
@@ -226,7 +211,7 @@ def _validate(args: argparse.Namespace, cost: CostModel) -> int:
     print(f"# {'all within' if ok else 'NOT all within'} {VALIDATION_TOLERANCE:.0%}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"workload": vars_of(w), "cost_model": cost.to_dict(), "rows": rows}, fh,
+            json.dump({"workload": asdict(w), "cost_model": cost.to_dict(), "rows": rows}, fh,
                       indent=1)
     return 0
 
@@ -241,7 +226,7 @@ def run_plan(args: argparse.Namespace) -> int:
     candidates, chosen = plan(w, cost, args.group_sizes, args.sync_periods, args.tolerance)
     base = simulate("allreduce", w, cost)
     print(f"# wagma plan: {w.size} ranks ({cost.ranks_per_node} per node), model "
-          f"{_fmt_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, injector "
+          f"{human_bytes(w.elements * w.itemsize)}, compute {w.compute_s * 1e3:g} ms, injector "
           f"{w.imbalance}, {w.steps} steps, cost model {cost.name}")
     print(f"# global allreduce SGD for reference: {base.iterations_per_s:.3f} it/s")
     print(f"{'group':>6} {'sync':>5} {'it/s':>8} {'vs allreduce':>12} {'mixing it':>9} "

@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import groups
+from ..errors import InvalidArgumentError
 from ..runtime import activation
 from ..schedule import algorithms
 from .cost import TOKEN_BYTES, CostModel
@@ -186,8 +187,6 @@ class Collectives:
 
 
 def _check_size(algorithm: str, n: int) -> None:
-    from ..errors import InvalidArgumentError
-
     estimate = {"ring": 6 * n * n, "rabenseifner": 80 * n, "recursive_doubling": 40 * n}
     if estimate.get(algorithm, 0) > MAX_SIMULATED_OPS:
         raise InvalidArgumentError(

@@ -17,7 +17,7 @@ mixing breaks the tie because it is what convergence per iteration depends on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .. import groups
@@ -66,8 +66,7 @@ def plan(base: Workload, cost: CostModel, group_sizes: Sequence[int] | None = No
     out = []
     for s in sizes:
         for tau in periods:
-            w = Workload(base.size, base.elements, base.compute_s, base.imbalance, base.steps,
-                         s, tau, base.itemsize, base.seed, base.algorithm)
+            w = replace(base, group_size=s, sync_every=tau)
             r = simulate("wagma", w, cost, lib)
             out.append(Candidate(s, tau, r.iterations_per_s,
                                  mixing_iterations(base.size, s, tau), r.mean_wait_s,

@@ -140,6 +140,7 @@ class _Run:
         self.waited = np.zeros(P)
         self.messages = np.zeros(P)
         self.sent = np.zeros(P)
+        # partial collectives only: when step() had contributed, when rounds started
         self.arrivals = np.zeros((w.steps, P))
         self.starts = np.zeros((w.steps, P))
         self.fresh = 0
@@ -160,7 +161,6 @@ class _Run:
     def step(self, t: int) -> None:
         w, lib = self.w, self.lib
         a = self.end + w.compute_s + self.injector.delays(t)
-        self.arrivals[t] = a
         sync = activation.is_sync_round(t, w.sync_every)
         m = self.method
         if m == "allreduce" or (sync and m in ("group_allreduce", "local_sgd")):
