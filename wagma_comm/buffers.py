@@ -27,9 +27,11 @@ _DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan",
                  8: "metal", 10: "rocm", 13: "cuda_managed", 14: "oneapi"}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Buffer:
-    """A validated, contiguous view of a user buffer.
+    """A validated, contiguous view of a user buffer (treat it as read-only;
+    not frozen because a frozen dataclass costs a microsecond to make, on
+    every collective call).
 
     ``owner`` is the user's object and ``view`` the parsed memory view; both are
     kept here so the memory stays alive while a collective uses it.
@@ -173,7 +175,7 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
     """NumPy arrays describe themselves (the same facts DLPack would carry), and
     NumPy refuses to export ml_dtypes' bfloat16 through DLPack at all: read the
     array directly. Also the cheapest path for the most common host buffer."""
-    dtype = dtypes.from_numpy(arr.dtype)
+    dtype = dtypes.from_array(arr)
     if dtype is None:
         raise BufferError(
             argument,
@@ -181,14 +183,15 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
         )
     if arr.size == 0:
         raise BufferError(argument, f"buffer is empty (shape {arr.shape}); nothing to reduce")
-    if not arr.flags.c_contiguous:
+    flags = arr.flags
+    if not flags.c_contiguous:
         strides = tuple(s // arr.itemsize for s in arr.strides)
         raise BufferError(
             argument,
             f"buffer must be C-contiguous; got shape {arr.shape} with element strides "
             f"{strides} (call .contiguous() / np.ascontiguousarray first)",
         )
-    if writable and not arr.flags.writeable:
+    if writable and not flags.writeable:
         raise BufferError(
             argument, "buffer is read-only but the collective writes its result in place"
         )

@@ -39,6 +39,8 @@ INLINE_MAX_BYTES = 64 << 10
 """Blocking collectives up to this size run on the calling thread when nothing
 else is in flight (runtime/inline.py): small messages cost their Python."""
 
+_PREPARED_LIMIT = 1024  # distinct reduction calls remembered per communicator
+
 DEFAULT_TIMEOUT_S = 300.0
 """Default deadline of every collective: finite, so a hang becomes an error.
 Override per communicator (``init(timeout=...)``), per call (``timeout=``) or
@@ -128,6 +130,9 @@ class Communicator:
         self._lock = threading.Lock()  # sequence numbers and submission order
         self._seq = 0
         self._native_groups: set[tuple[int, ...]] = set()
+        self._prepared: dict[tuple[Any, ...], tuple[Schedule, str]] = {}
+        self._natives: dict[int, tuple[Schedule, tuple[tuple[int, ...], ...]]] = {}
+        self._all_ranks = tuple(range(self.size))
         self._gpu: Any = None  # runtime.gpu.GpuQueue, made at the first GPU buffer
         self._gpu_lock = threading.Lock()
         self._closed = False
@@ -194,7 +199,7 @@ class Communicator:
             return self._gpu_collective("allreduce", buf, device, "allreduce",
                                         tuple(range(self.size)), op, algorithm, -1, None,
                                         timeout, async_op)
-        return self._reduce("allreduce", buf, tuple(range(self.size)), op, algorithm,
+        return self._reduce("allreduce", buf, self._all_ranks, op, algorithm,
                             timeout, async_op, extra="")
 
     def group_allreduce(self, buf: Any, group_size: int, step: int, op: str = "avg", *,
@@ -440,7 +445,31 @@ class Communicator:
         self._check_open()
         check_op(op)
         buffer = as_buffer(buf, "buf")
-        deadline_s = self._call_timeout(timeout)
+        deadline_s = self._timeout if timeout is None else _check_timeout(timeout)
+        # What the arguments compile to depends on nothing else: a training
+        # loop or a benchmark repeats the same call, so it is worked out once
+        # (the small-message path costs its Python, docs/benchmarks.md).
+        key = (collective, ranks, op, algorithm, buffer.count, buffer.dtype.name, extra)
+        try:
+            prepared = self._prepared.get(key)
+        except TypeError:  # an unhashable algorithm: _prepare_reduce names it
+            key, prepared = None, None
+        if prepared is None:
+            prepared = self._prepare_reduce(collective, buffer, ranks, op, algorithm, extra)
+            if key is not None:
+                if len(self._prepared) >= _PREPARED_LIMIT:
+                    self._prepared.clear()
+                self._prepared[key] = prepared
+        sched, text = prepared
+        check = (_nan_check(collective, op, buffer)
+                 if op in ("max", "min") and buffer.dtype.is_float else None)
+        return self._submit(collective, text, sched, buffer, deadline_s, async_op,
+                            on_done=check)
+
+    def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
+                        op: str, algorithm: Any, extra: str) -> tuple[Schedule, str]:
+        """The schedule and the description (debug fingerprint, timeouts) of a
+        reduction, its algorithm checked or chosen by size."""
         name = self._check_algorithm(
             algorithm, algorithms.ALLREDUCE_ALGORITHMS,
             lambda: algorithms.choose_allreduce(buffer.nbytes, len(ranks)))
@@ -452,10 +481,7 @@ class Communicator:
         sched = algorithms.compile_allreduce(self.rank, ranks, buffer.count, op, name)
         text = (f"{collective}(count={buffer.count},dtype={buffer.dtype.name},op={op}"
                 f"{extra},algorithm={name})")
-        check = (_nan_check(collective, op, buffer)
-                 if op in ("max", "min") and buffer.dtype.is_float else None)
-        return self._submit(collective, text, sched, buffer, deadline_s, async_op,
-                            on_done=check)
+        return sched, text
 
     def _submit(self, collective: str, text: str, sched: Schedule, buffer: Buffer | np.ndarray,
                 timeout: float, async_op: bool, *, dtype: Any = None,
@@ -472,35 +498,47 @@ class Communicator:
             seq = self._seq
             self._seq += 1
             self._calls[collective] = self._calls.get(collective, 0) + 1
-            stages: list[Stage] = []
-            if self._debug and self.size > 1:
-                stages.append(debug.fingerprint_stage(self.rank, self.size, seq,
-                                                      collective, text))
-            setup, requires, creates = self._setup_stages(sched)
-            stages.extend(setup)
-            stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done))
             now = time.monotonic()
             value = owner if result is ... else result
+            natives = self._native_ranks(sched)
+            # A small blocking call with nothing else in flight runs right here
+            # (Engine.run_inline), when it needs no stage before its own (a
+            # debug fingerprint, a group's set-up). The claim is taken under
+            # the submission lock and run_inline releases it whatever happens,
+            # so nothing may come between them: other threads' submissions
+            # wait for at most the inline run's patience (20 ms) before it
+            # hands over to the engine.
+            inline = (not async_op and data.nbytes <= INLINE_MAX_BYTES
+                      and not (self._debug and self.size > 1)
+                      and all(self._transport.has_group(r) for r in natives)
+                      and self._engine.try_inline())
+            if inline:
+                def make_inline_work() -> Work:  # only when a peer is late
+                    stage = Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done)
+                    handle = Handle(collective, seq, now + timeout, self._engine.alive,
+                                    self._engine.drive_until)
+                    return Work(seq, collective, handle, [stage], now + timeout, timeout,
+                                result=value, keepalive=buffer)
 
-            def make_work() -> Work:
+                late = self._engine.run_inline(sched, dt, data, seq, now + timeout,
+                                               make_inline_work)
+            else:
+                stages: list[Stage] = []
+                if self._debug and self.size > 1:
+                    stages.append(debug.fingerprint_stage(self.rank, self.size, seq,
+                                                          collective, text))
+                requires: tuple[tuple[int, ...], ...] = ()
+                creates: tuple[tuple[int, ...], ...] = ()
+                if natives:
+                    setup, requires, creates = self._setup_stages(sched)
+                    stages.extend(setup)
+                stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done))
                 handle = Handle(collective, seq, now + timeout, self._engine.alive,
                                 self._engine.drive_until)
-                return Work(seq, collective, handle, stages, now + timeout, timeout,
+                work = Work(seq, collective, handle, stages, now + timeout, timeout,
                             result=value, keepalive=buffer, requires=requires,
                             creates=creates,
                             on_complete=self._setup_failed(creates) if creates else None)
-
-            # A small blocking call with nothing else in flight runs right here
-            # (Engine.run_inline). The claim is taken under the submission lock
-            # and run_inline releases it whatever happens, so nothing may come
-            # between them: other threads' submissions wait for at most the
-            # inline run's patience (20 ms) before it hands over to the engine.
-            inline = (not async_op and len(stages) == 1 and not requires
-                      and data.nbytes <= INLINE_MAX_BYTES and self._engine.try_inline())
-            if inline:
-                late = self._engine.run_inline(stages[0], seq, now + timeout, make_work)
-            else:
-                work = make_work()
                 # A blocking call drives its own work: no need to wake the thread.
                 self._engine.submit(work, wake=async_op)
         if inline:
@@ -581,6 +619,17 @@ class Communicator:
                         self._native_groups.discard(ranks)
         return forget
 
+    def _native_ranks(self, sched: Schedule) -> tuple[tuple[int, ...], ...]:
+        """The groups of ``sched``'s native ops (none for a DAG schedule),
+        remembered per schedule: every call asks."""
+        cached = self._natives.get(id(sched))
+        if cached is None or cached[0] is not sched:
+            if len(self._natives) >= _PREPARED_LIMIT:
+                self._natives.clear()
+            cached = (sched, tuple(op.ranks for op in sched.ops if isinstance(op, Native)))
+            self._natives[id(sched)] = cached
+        return cached[1]
+
     def _setup_stages(self, sched: Schedule) -> tuple[
             list[Stage], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
         """Native collectives over a group need the group's own MPI communicator,
@@ -595,10 +644,9 @@ class Communicator:
         out: list[Stage] = []
         requires: list[tuple[int, ...]] = []
         creates: list[tuple[int, ...]] = []
-        for op in sched.ops:
-            if not isinstance(op, Native) or self._transport.has_group(op.ranks):
+        for ranks in self._native_ranks(sched):
+            if self._transport.has_group(ranks):
                 continue
-            ranks = op.ranks
             if ranks in self._native_groups:
                 requires.append(ranks)
                 continue

@@ -79,6 +79,12 @@ def from_numpy(dtype: Any) -> DType | None:
         return None
 
 
+def from_array(arr: np.ndarray) -> DType | None:
+    """The row for a NumPy array's dtype, or None: :func:`from_numpy` without
+    the dtype conversion (once per collective call)."""
+    return _BY_NUMPY.get(arr.dtype)
+
+
 def lookup(name: str | DType, argument: str = "dtype") -> DType:
     """Resolve a dtype given by name (``"bfloat16"``) or row; typed error otherwise."""
     if isinstance(name, DType):

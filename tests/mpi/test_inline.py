@@ -136,15 +136,15 @@ def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
     lock is released and, nothing having been sent, the next call works."""
     c = wagma_comm.init(timeout=20)
     engine = c._engine
-    real = engine._plan_of
+    real = engine._program_of
 
-    def interrupted(sched: object) -> object:
-        engine._plan_of = real
+    def interrupted(*args: object) -> object:
+        engine._program_of = real
         raise KeyboardInterrupt
 
     try:
         c.barrier()
-        engine._plan_of = interrupted
+        engine._program_of = interrupted
         with pytest.raises(KeyboardInterrupt):
             c.allreduce(np.ones(3, np.float32))
         assert not engine._driver.locked()
@@ -153,6 +153,6 @@ def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
         c.allreduce(buf)
         np.testing.assert_array_equal(buf, _expected(3, np.float32))
     finally:
-        engine._plan_of = real
+        engine._program_of = real
         WORLD.Barrier()
         c.close()

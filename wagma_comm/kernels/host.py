@@ -86,6 +86,7 @@ from ..errors import BufferError, InvalidArgumentError
 __all__ = [
     "reduce_into",
     "reduce_views",
+    "reducer",
     "scale_into",
     "average_into",
     "f16_bits_to_f32",
@@ -863,6 +864,15 @@ def _reduce_kernel(dtype: DType, code: int) -> Callable[[np.ndarray, np.ndarray]
     if dtype.is_float:
         return _FLOAT_KERNELS[code]
     return _INT_KERNELS[code]
+
+
+def reducer(op: str, dtype: DType, count: int) -> Callable[[np.ndarray, np.ndarray], object]:
+    """The ``(dst, src)`` kernel :func:`reduce_views` would run for ``count``
+    elements, chosen once: a schedule run many times (runtime/inline.py) then
+    pays no dispatch per call."""
+    if _chunks(count, dtype.itemsize) is not None:
+        return lambda d, s: reduce_into(d, s, op, dtype)
+    return _reduce_kernel(dtype, _OP_CODES[op])
 
 
 def reduce_views(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None:

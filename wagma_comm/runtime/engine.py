@@ -33,9 +33,9 @@ from ..errors import (
     WagmaError,
 )
 from ..schedule.ir import DATA, Recv, Schedule, Send
-from ..transport.base import Transport
+from ..transport.base import CHANNEL_DATA, Transport
 from .handle import Handle
-from .inline import DONE, EXPIRED, InlineState, execute, post, run_local
+from .inline import DONE, EXPIRED, Plan, Program, ProgramRun, plan, post, run_local
 from .liveness import Liveness
 from .pool import ScratchPool
 from .watch import Watch, timeout_error
@@ -49,6 +49,7 @@ _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
 
 _PLAN_CACHE_LIMIT = 4096
+_PROGRAM_CACHE_LIMIT = 64  # small schedules (inline runs) with their scratch
 
 
 @dataclass
@@ -115,7 +116,7 @@ class _Run:
         self.ready: deque[int] = deque()
         self.posted: dict[int, Any] = {}
 
-    def enter(self, index: int, plan: _Plan,
+    def enter(self, index: int, plan: Plan,
               arrays: dict[str, np.ndarray]) -> None:
         self.stage_index = index
         self.stage = self.work.stages[index]
@@ -128,21 +129,16 @@ class _Run:
         self.arrays = arrays
 
 
-_Plan = tuple[tuple[tuple[int, ...], ...], list[int], list[int]]
-
-
-def _plan(schedule: Schedule) -> _Plan:
-    """(successors of each op, in-degree of each op, the ops ready at the start
-    with receives first: a receive posted before the peer's send arrives is
-    matched in place instead of through MPI's unexpected-message queue)."""
-    succ: list[list[int]] = [[] for _ in schedule.ops]
-    for i, deps in enumerate(schedule.deps):
-        for d in deps:
-            succ[d].append(i)
-    indegree = [len(d) for d in schedule.deps]
-    first = [i for i, d in enumerate(indegree) if d == 0]
-    first.sort(key=lambda i: not isinstance(schedule.ops[i], Recv))
-    return tuple(tuple(s) for s in succ), indegree, first
+def _add_program_counts(stats: dict[str, int], program: Program, runs: int) -> None:
+    """What ``runs`` inline runs of ``program`` finished add to the counters
+    (counted per program, not per call: the per-call path stays lean)."""
+    stats["completed"] += runs
+    stats["inline"] += runs
+    stats["messages_sent"] += runs * program.sends
+    stats["bytes_sent"] += runs * program.bytes_sent
+    stats["messages_received"] += runs * program.recvs
+    stats["bytes_received"] += runs * program.bytes_received
+    stats["local_ops"] += runs * program.local_ops
 
 
 class Engine:
@@ -159,6 +155,7 @@ class Engine:
         self._requests: list[Any] = []
         self._owners: list[tuple[_Run, int]] = []
         self._plans: dict[int, tuple[Schedule, Any]] = {}
+        self._programs: dict[tuple[int, str], tuple[Schedule, Program]] = {}
         self._pool = ScratchPool()
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
@@ -256,8 +253,17 @@ class Engine:
 
     def statistics(self) -> dict[str, int]:
         stats = dict(self._stats)
+        for _, program in list(self._programs.values()):
+            _add_program_counts(stats, program, program.runs)
         stats["in_flight"] = self.in_flight()
         return stats
+
+    def _fold_program_counts(self) -> None:
+        """Move the programs' run counts into the engine's own (before the
+        programs are forgotten)."""
+        for _, program in self._programs.values():
+            _add_program_counts(self._stats, program, program.runs)
+            program.runs = 0
 
     # -- progress thread ------------------------------------------------------
     def _main(self) -> None:
@@ -396,39 +402,40 @@ class Engine:
             self._driver.release()
         return idle
 
-    def run_inline(self, stage: Stage, seq: int, deadline: float,
-                   make_work: Callable[[], Work]) -> Handle | None:
-        """Run a claimed single-stage collective on the calling thread
-        (inline.execute). Returns None when it finished here, or the Handle of
-        the Work (``make_work()``) it handed to the engine because a peer was
-        late; raises the collective's error (a timeout breaks the engine, as in
-        the engine itself). Releases the claim, whatever happens."""
-        state: InlineState | None = None
-        arrays: dict[str, np.ndarray] = {}
+    def run_inline(self, schedule: Schedule, dtype: DType, data: np.ndarray, seq: int,
+                   deadline: float, make_work: Callable[[], Work]) -> Handle | None:
+        """Run a claimed collective (``schedule`` over ``data`` on the data
+        channel) on the calling thread, as its :class:`Program`. Returns None
+        when it finished here, or the Handle of the Work (``make_work()``: one
+        stage, that schedule) it handed to the engine because a peer was late;
+        raises the collective's error (a timeout breaks the engine, as in the
+        engine itself). Releases the claim, whatever happens."""
+        state: ProgramRun | None = None
         run: _Run | None = None
         self._inline_runs += 1
         try:
-            sched = stage.schedule
-            plan = self._plan_of(sched)
-            arrays, borrowed = self._arrays_for(stage)
-            state = InlineState(plan[1], plan[2])
-            outcome = execute(state, sched.ops, plan[0], arrays, stage.dtype, self._transport,
-                              stage.channel, seq, deadline, _SPIN_S)
+            program = self._program_of(schedule, dtype)
+            state = program.start(data)
+            outcome = state.execute(self._transport, CHANNEL_DATA, seq, deadline, _SPIN_S)
             if outcome == DONE:
-                for arr in borrowed:
-                    self._pool.give(arr)
-                self._stats["completed"] += 1
-                self._stats["inline"] += 1
+                program.runs += 1  # counted by statistics(), not in finally
+                state = None
                 return None
             work = make_work()
             if outcome == EXPIRED:
-                error = timeout_error(work, stage, sched.ops, state.posted)
+                error = timeout_error(work, work.stages[0], schedule.ops,
+                                      state.posted(self._transport))
                 self.broken = self.broken or error
                 raise error
+            # The engine goes on with the program's scratch: the next inline
+            # run of this program gets fresh arrays.
+            arrays = program.arrays(state.data)
+            program.drop_scratch()
             run = _Run(work)
-            run.enter(0, plan, arrays)
-            run.remaining, run.ready, run.completed = state.remaining, state.ready, state.completed
-            run.posted, run.borrowed = dict(state.posted), borrowed
+            run.enter(0, program.plan, arrays)
+            run.remaining, run.completed = state.remaining, state.completed
+            run.ready = deque(state.ready[state.pos:])
+            run.posted = state.posted(self._transport)
             self._active.append(run)
             for i, req in run.posted.items():
                 self._requests.append(req)
@@ -439,24 +446,35 @@ class Engine:
                 self._cv.notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
-            failure = self._inline_failed(exc, stage, state, arrays, run, make_work)
+            failure = self._inline_failed(exc, schedule, state, run, make_work)
             if failure is exc:
                 raise
             raise failure from exc
         finally:
             if state is not None:
+                sent, bytes_sent, received, bytes_received, local = state.counts()
                 stats = self._stats
-                stats["messages_sent"] += state.sent
-                stats["bytes_sent"] += state.bytes_sent
-                stats["messages_received"] += state.received
-                stats["bytes_received"] += state.bytes_received
-                stats["local_ops"] += state.local_ops
+                stats["messages_sent"] += sent
+                stats["bytes_sent"] += bytes_sent
+                stats["messages_received"] += received
+                stats["bytes_received"] += bytes_received
+                stats["local_ops"] += local
             self._inline_runs -= 1
             self._driver.release()
 
-    def _inline_failed(self, exc: BaseException, stage: Stage, state: InlineState | None,
-                       arrays: dict[str, np.ndarray], run: _Run | None,
-                       make_work: Callable[[], Work]) -> BaseException:
+    def _program_of(self, schedule: Schedule, dtype: DType) -> Program:
+        key = (id(schedule), dtype.name)
+        cached = self._programs.get(key)
+        if cached is None or cached[0] is not schedule:
+            if len(self._programs) >= _PROGRAM_CACHE_LIMIT:  # each holds its scratch
+                self._fold_program_counts()
+                self._programs.clear()
+            cached = (schedule, Program(schedule, dtype, self._transport))
+            self._programs[key] = cached
+        return cached[1]
+
+    def _inline_failed(self, exc: BaseException, schedule: Schedule, state: ProgramRun | None,
+                       run: _Run | None, make_work: Callable[[], Work]) -> BaseException:
         """The error an inline run raises, with the engine left consistent:
         outstanding requests dropped (cancelled unless a peer died), the
         buffers MPI may still touch kept alive, and the engine broken when
@@ -468,23 +486,24 @@ class Engine:
             self._forget_requests(run)
         failure: BaseException = exc
         broken: WagmaError | None = None
+        communicated = state is not None and state.issued_any_message()
         if isinstance(exc, TransportError):
             broken = exc
-            dead = self._watch.dead_among(stage.schedule.ranks, settle=True)
+            dead = self._watch.dead_among(schedule.ranks, settle=True)
             if dead is not None:  # MPI's error is how the death showed
                 work = make_work()
                 failure = broken = dead(work.collective, work.seq)
         elif isinstance(exc, RankFailedError):
             broken = exc
-        elif not isinstance(exc, WagmaError) and state is not None and (
-                state.sent or state.received or state.posted):
+        elif not isinstance(exc, WagmaError) and communicated:
             broken = TransportError(f"an inline collective was interrupted: {exc!r}")
             if isinstance(exc, Exception):  # a bug: report it as the transport's
                 failure = broken
         if state is not None:
-            if state.posted or state.sent:
-                self._abandoned.append(arrays)  # MPI may still touch them
-            self._drop(state.posted, failure)
+            if communicated:  # MPI may still touch them
+                self._abandoned.append(state.program.arrays(state.data))
+                state.program.drop_scratch()
+            self._drop(state.posted(self._transport), failure)
         self._stats["failed"] += 1
         if broken is not None:
             self._break(broken)
@@ -562,12 +581,12 @@ class Engine:
         if not stage.schedule.ops:
             self._stage_done(run)
 
-    def _plan_of(self, sched: Schedule) -> _Plan:
+    def _plan_of(self, sched: Schedule) -> Plan:
         cached = self._plans.get(id(sched))
         if cached is None or cached[0] is not sched:
             if len(self._plans) >= _PLAN_CACHE_LIMIT:  # bounded: many sizes over a job
                 self._plans.clear()
-            cached = (sched, _plan(sched))
+            cached = (sched, plan(sched))
             self._plans[id(sched)] = cached
         return cached[1]
 

@@ -4,11 +4,13 @@ Why: on a loaded machine a small collective costs what its Python costs per
 call (docs/benchmarks.md, "Why small messages miss"). The engine's general
 turn walks services, queues, deadlines and every active run for each message
 round; a blocking small collective with nothing else in flight needs none of
-that. :func:`execute` runs the same dataflow (post what is ready, test all
-outstanding requests with one transport call, yield the CPU between tests) for
-one schedule, and stops early when a peer is late, so the engine can take the
-rest over with the very same requests (:class:`InlineState`). The engine stays
-the only issuer: see ``Engine.try_inline``.
+that. A :class:`Program` is a schedule lowered once (op kinds, peers, message
+numbers, reduce kernels and views of its own scratch resolved); each call
+binds the caller's buffer and runs the same dataflow (post what is ready, test
+all outstanding requests with one transport call, yield the CPU between
+tests), and stops early when a peer is late, so the engine can take the rest
+over with the very same requests (:class:`ProgramRun`). The engine stays the
+only issuer: see ``Engine.try_inline``.
 
 The local ops (reduce, copy, scale) live here too; the engine runs them the
 same way.
@@ -18,21 +20,41 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..dtypes import DType
 from ..kernels import host as host_kernels
-from ..schedule.ir import Copy, Native, Recv, Reduce, Scale, Send, Slot
+from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
 from ..transport.base import Transport
 
 _CLOCK_EVERY = 64  # failed tests between two looks at the clock
 
+SEND, RECV, NATIVE, LOCAL = 0, 1, 2, 3
+
+Plan = tuple[tuple[tuple[int, ...], ...], list[int], list[int]]
+
+
+def plan(schedule: Schedule) -> Plan:
+    """(successors of each op, in-degree of each op, the ops ready at the start
+    with receives first: a receive posted before the peer's send arrives is
+    matched in place instead of through MPI's unexpected-message queue)."""
+    succ: list[list[int]] = [[] for _ in schedule.ops]
+    for i, deps in enumerate(schedule.deps):
+        for d in deps:
+            succ[d].append(i)
+    indegree = [len(d) for d in schedule.deps]
+    first = [i for i, d in enumerate(indegree) if d == 0]
+    first.sort(key=lambda i: not isinstance(schedule.ops[i], Recv))
+    return tuple(tuple(s) for s in succ), indegree, first
+
 
 def view(arrays: dict[str, np.ndarray], slot: Slot) -> np.ndarray:
-    return arrays[slot.buf][slot.offset:slot.offset + slot.count]
+    arr = arrays[slot.buf]
+    if slot.offset == 0 and slot.count == arr.size:
+        return arr  # the whole buffer: no view object to make
+    return arr[slot.offset:slot.offset + slot.count]
 
 
 def run_local(op: Any, arrays: dict[str, np.ndarray], dtype: DType) -> None:
@@ -64,90 +86,276 @@ def post(op: Any, arrays: dict[str, np.ndarray], dtype: DType, transport: Transp
     return None
 
 
-class InlineState:
-    """Where an inline run stands: the same facts an engine run keeps, so a
-    late run is handed over without reposting anything."""
+def _local_kernel(op: Any, dtype: DType) -> Callable[[np.ndarray, Any], object]:
+    """``fn(dst, src)`` running a local op on its two views (src None for Scale)."""
+    if isinstance(op, Reduce):
+        return host_kernels.reducer(op.op, dtype, op.dst.count)
+    if isinstance(op, Copy):
+        return np.copyto
+    if isinstance(op, Scale):
+        divisor = op.divisor
+        return lambda d, _: host_kernels.scale_into(d, divisor, dtype)
+    raise TypeError(f"unknown op {op!r}")
 
-    __slots__ = ("remaining", "ready", "completed", "posted", "sent", "bytes_sent",
-                 "received", "bytes_received", "local_ops")
 
-    def __init__(self, indegree: list[int], first: list[int]) -> None:
-        self.remaining = list(indegree)
-        self.ready: deque[int] = deque(first)
-        self.completed = 0
-        self.posted: dict[int, Any] = {}  # op index -> outstanding request
-        self.sent = self.bytes_sent = self.received = self.bytes_received = 0
-        self.local_ops = 0
+def _slots(op: Any) -> tuple[Slot, ...]:
+    kind = type(op)
+    if kind is Send:
+        return (op.src,)
+    if kind is Recv:
+        return (op.dst,)
+    if kind is Native:
+        return (op.buf,)
+    if kind is Scale:
+        return (op.dst,)
+    return (op.dst, op.src)
+
+
+def _spec(slot: Slot, scratch: dict[str, np.ndarray], data_size: int) -> Any:
+    """How a run finds a slot's array: a view of the program's own scratch
+    (made once), None for the whole caller's buffer, or (lo, hi) of it. No
+    reference to the caller's buffer is kept between calls."""
+    if slot.buf != DATA:
+        return view(scratch, slot)
+    if slot.offset == 0 and slot.count == data_size:
+        return None
+    return (slot.offset, slot.offset + slot.count)
+
+
+def _resolve(spec: Any, data: np.ndarray) -> np.ndarray:
+    if spec is None:
+        return data
+    if type(spec) is tuple:
+        return data[spec[0]:spec[1]]
+    return spec
+
+
+class Program:
+    """A schedule over ``"data"`` and scratch, lowered for repeated inline runs
+    over ``dtype`` on ``transport`` (native ops bound to their group, which
+    must exist already).
+
+    Why: on a loaded machine a call's cost is dominated by the Python objects
+    it makes and touches (docs/benchmarks.md), so everything that does not
+    depend on the caller's buffer is made once: op kinds, peers, message
+    numbers, kernels, the scratch arrays and their views, and the run state,
+    reset in place. Only one inline run is under way at a time
+    (Engine.try_inline). :meth:`drop_scratch` when a run did not finish here
+    (handed over or failed): MPI or the engine may still use the old arrays.
+    ``runs`` counts the runs finished here, for the engine's statistics."""
+
+    __slots__ = ("schedule", "dtype", "plan", "kinds", "peers", "msgs", "actions",
+                 "sends", "bytes_sent", "recvs", "bytes_received", "local_ops", "runs",
+                 "_scratch", "_args", "_run")
+
+    def __init__(self, schedule: Schedule, dtype: DType, transport: Transport) -> None:
+        self.schedule, self.dtype = schedule, dtype
+        self.plan = plan(schedule)
+        kinds: list[int] = []
+        peers: list[int] = []
+        msgs: list[int] = []
+        actions: list[Any] = []
+        for op in schedule.ops:
+            kind = type(op)
+            kinds.append(SEND if kind is Send else RECV if kind is Recv
+                         else NATIVE if kind is Native else LOCAL)
+            peers.append(getattr(op, "peer", -1))
+            msgs.append(getattr(op, "msg", 0))
+            actions.append(_local_kernel(op, dtype) if kinds[-1] == LOCAL
+                           else transport.native_starter(op, dtype) if kinds[-1] == NATIVE
+                           else None)
+        self.kinds, self.peers, self.msgs = tuple(kinds), tuple(peers), tuple(msgs)
+        self.actions = tuple(actions)
+        itemsize = dtype.itemsize
+        self.sends = kinds.count(SEND)
+        self.recvs = kinds.count(RECV)
+        self.local_ops = kinds.count(LOCAL)
+        self.bytes_sent = sum(op.src.count for op in schedule.ops if type(op) is Send) * itemsize
+        self.bytes_received = sum(op.dst.count for op in schedule.ops
+                                  if type(op) is Recv) * itemsize
+        self.runs = 0
+        self._scratch: dict[str, np.ndarray] | None = None
+        self._args: list[Any] = []
+        self._run: ProgramRun | None = None
+
+    def drop_scratch(self) -> None:
+        self._scratch = None
+        self._run = None
+
+    def arrays(self, data: np.ndarray) -> dict[str, np.ndarray]:
+        """Every buffer the schedule names (for the engine, on a hand-over)."""
+        return {**(self._scratch or {}), DATA: data}
+
+    def start(self, data: np.ndarray) -> ProgramRun:
+        """The run over ``data`` (the caller's buffer, ``schedule.count``
+        elements), reset to the beginning."""
+        if self._scratch is None:
+            storage = self.dtype.storage
+            self._scratch = scratch = {name: np.empty(count, storage)
+                                       for name, count in self.schedule.scratch}
+            count = self.schedule.count
+            self._args = [
+                (_spec(op.dst, scratch, count),
+                 None if type(op) is Scale else _spec(op.src, scratch, count))
+                if self.kinds[i] == LOCAL else _spec(_slots(op)[0], scratch, count)
+                for i, op in enumerate(self.schedule.ops)]
+            self._run = None
+        run = self._run
+        if run is None:
+            self._run = run = ProgramRun(self, self._args)
+        else:
+            run.reset()
+        run.data = data
+        return run
 
 
 DONE, LATE, EXPIRED = "done", "late", "expired"
 
 
-def execute(state: InlineState, ops: tuple[Any, ...], succ: tuple[tuple[int, ...], ...],
-            arrays: dict[str, np.ndarray], dtype: DType, transport: Transport,
-            channel: str, seq: int, deadline: float, patience: float) -> str:
-    """Advance ``state`` until the schedule is done (DONE), ``deadline``
-    (monotonic) passes (EXPIRED), or ``patience`` seconds go by without any
-    completion (LATE). Exceptions propagate with ``state`` current."""
-    remaining, ready, posted = state.remaining, state.ready, state.posted
-    test_some = transport.test_some
-    itemsize = dtype.itemsize
-    requests = list(posted.values())
-    owners = list(posted)
-    total = len(ops)
+class ProgramRun:
+    """Where one run of a :class:`Program` stands: ops are issued in the order
+    of ``ready`` (``ready[:pos]`` are issued), ``requests[k]`` belongs to op
+    ``owners[k]``. A late run is handed to the engine from these facts."""
 
-    def release(i: int) -> None:  # op i is done: its successors may be ready
-        state.completed += 1
-        for s in succ[i]:
-            remaining[s] -= 1
-            if remaining[s] == 0:
-                ready.append(s)
+    __slots__ = ("program", "data", "args", "remaining", "ready", "pos", "completed",
+                 "requests", "owners")
 
-    while True:
-        while ready:
-            i = ready.popleft()
-            op = ops[i]
-            req = post(op, arrays, dtype, transport, channel, seq)
-            if req is None:
-                run_local(op, arrays, dtype)
-                state.local_ops += 1
-                release(i)
-                continue
-            if type(op) is Send:
-                state.sent += 1
-                state.bytes_sent += op.src.count * itemsize
-            posted[i] = req
-            requests.append(req)
-            owners.append(i)
-        if state.completed == total:
-            return DONE
-        give_up = time.monotonic() + patience
-        polls = 0
-        while True:
-            done = test_some(requests)
-            if done:
-                break
-            polls += 1
-            if polls % _CLOCK_EVERY == 0:
-                now = time.monotonic()
-                if now > deadline:
-                    return EXPIRED
-                if now > give_up:
-                    return LATE
-            os.sched_yield()  # the CPU we do not burn is what a late peer needs
-        finished = set(done)
-        for k in sorted(done):
-            i = owners[k]
-            del posted[i]
-            op = ops[i]
-            if type(op) is Recv:
-                state.received += 1
-                state.bytes_received += op.dst.count * itemsize
-            release(i)
-        keep = [k for k in range(len(requests)) if k not in finished]
-        requests = [requests[k] for k in keep]
-        owners = [owners[k] for k in keep]
+    def __init__(self, program: Program, args: list[Any]) -> None:
+        succ, indegree, first = program.plan
+        self.program, self.args = program, args
+        self.data: np.ndarray | None = None
+        self.remaining = list(indegree)
+        self.ready = list(first)
+        self.pos = 0
+        self.completed = 0
+        self.requests: list[Any] = []
+        self.owners: list[int] = []
+
+    def reset(self) -> None:
+        succ, indegree, first = self.program.plan
+        self.remaining[:] = indegree
+        self.ready[:] = first
+        self.pos = self.completed = 0
+        self.requests.clear()
+        self.owners.clear()
+
+    def execute(self, transport: Transport, channel: str, seq: int, deadline: float,
+                patience: float) -> str:
+        """Advance until every op is done (DONE), ``deadline`` (monotonic)
+        passes (EXPIRED), or ``patience`` seconds go by without any completion
+        (LATE). Exceptions propagate with the run's state current."""
+        program = self.program
+        kinds, peers, msgs, actions = program.kinds, program.peers, program.msgs, program.actions
+        succ = program.plan[0]
+        args, data, remaining, ready = self.args, self.data, self.remaining, self.ready
+        requests, owners = self.requests, self.owners
+        isend, irecv, base = transport.posters(channel, seq)
+        test_one, test_some = transport.test_one, transport.test_some
+        total = len(kinds)
+        pos, completed = self.pos, self.completed
+        try:
+            while True:
+                while pos < len(ready):
+                    i = ready[pos]
+                    pos += 1
+                    kind = kinds[i]
+                    if kind == LOCAL:
+                        dst, src = args[i]
+                        actions[i](_resolve(dst, data), _resolve(src, data))
+                        completed += 1
+                        for s in succ[i]:
+                            remaining[s] -= 1
+                            if remaining[s] == 0:
+                                ready.append(s)
+                        continue
+                    arr = args[i]
+                    if arr is None:
+                        arr = data
+                    elif type(arr) is tuple:
+                        arr = data[arr[0]:arr[1]]
+                    if kind == SEND:
+                        requests.append(isend(arr, peers[i], base | msgs[i]))
+                    elif kind == RECV:
+                        requests.append(irecv(arr, peers[i], base | msgs[i]))
+                    else:
+                        requests.append(actions[i](arr))
+                    owners.append(i)
+                if completed == total:
+                    return DONE
+                # A failed poll is the common case and, on a loaded machine,
+                # its cost is paid once per poll per rank: test one request
+                # at a time, in turn (any test drives the transport's progress
+                # for all), and look at all of them only once one completed.
+                polls = 0
+                since = 0.0
+                k = 0
+                while not test_one(requests[k]):
+                    polls += 1
+                    if polls % _CLOCK_EVERY == 0:
+                        now = time.monotonic()
+                        if now > deadline:
+                            return EXPIRED
+                        if not since:
+                            since = now
+                        elif now - since > patience:
+                            return LATE
+                    k += 1
+                    if k == len(requests):
+                        k = 0
+                    os.sched_yield()  # the CPU we do not burn is what a late peer needs
+                if len(requests) == 1:
+                    done = [0]
+                else:
+                    done = test_some(requests)  # the others that completed meanwhile
+                    done.append(k)
+                for k in done:
+                    i = owners[k]
+                    completed += 1
+                    for s in succ[i]:
+                        remaining[s] -= 1
+                        if remaining[s] == 0:
+                            ready.append(s)
+                if len(done) == len(requests):
+                    requests.clear()
+                    owners.clear()
+                else:
+                    finished = set(done)
+                    keep = [k for k in range(len(requests)) if k not in finished]
+                    requests[:] = [requests[k] for k in keep]
+                    owners[:] = [owners[k] for k in keep]
+        finally:
+            self.pos, self.completed = pos, completed
+
+    # -- the facts a hand-over or a failure needs (rare paths) ----------------
+    def posted(self, transport: Transport) -> dict[int, Any]:
+        """Outstanding requests by op index, sends as the transport marks them."""
+        kinds = self.program.kinds
+        return {i: transport.as_send(req) if kinds[i] == SEND else req
+                for i, req in zip(self.owners, self.requests)}
+
+    def issued_any_message(self) -> bool:
+        kinds = self.program.kinds
+        return any(kinds[i] != LOCAL for i in self.ready[:self.pos])
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(messages sent, bytes sent, messages received, bytes received, local
+        ops) so far, as the engine counts them: sends when posted, receives
+        when complete."""
+        program = self.program
+        ops, kinds, itemsize = program.schedule.ops, program.kinds, program.dtype.itemsize
+        outstanding = set(self.owners)
+        sent = bytes_sent = received = bytes_received = local = 0
+        for i in self.ready[:self.pos]:
+            if kinds[i] == SEND:
+                sent += 1
+                bytes_sent += ops[i].src.count * itemsize
+            elif kinds[i] == RECV and i not in outstanding:
+                received += 1
+                bytes_received += ops[i].dst.count * itemsize
+            elif kinds[i] == LOCAL:
+                local += 1
+        return sent, bytes_sent, received, bytes_received, local
 
 
-__all__ = ["InlineState", "execute", "run_local", "post", "view",
+__all__ = ["Program", "ProgramRun", "plan", "run_local", "post", "view",
            "DONE", "LATE", "EXPIRED"]

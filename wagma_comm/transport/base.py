@@ -10,7 +10,7 @@ communicator and ``msg`` the message's number between the two ranks within it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +48,36 @@ class Transport(ABC):
     @abstractmethod
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         """Start receiving into ``array``; returns a request."""
+
+    def posters(self, channel: str, seq: int) -> tuple[Callable[[np.ndarray, int, int], Any],
+                                                       Callable[[np.ndarray, int, int], Any], int]:
+        """``(isend, irecv, base)`` for one collective's messages on ``channel``:
+        ``isend(array, peer, base | msg)`` and ``irecv(array, peer, base | msg)``
+        start message ``msg`` of sequence number ``seq``. For a loop that posts
+        many messages (runtime/inline.py), so they can be the bare transport
+        calls. Pass what isend returns through :meth:`as_send` before any other
+        transport call sees it."""
+        return (lambda a, p, m: self.isend(a, p, channel, seq, m),
+                lambda a, p, m: self.irecv(a, p, channel, seq, m), 0)
+
+    def test_one(self, request: Any) -> bool:
+        """Whether ``request`` completed (then it is replaced by a null request
+        in place). The cheap poll of a waiting loop: one request per call
+        costs less than :meth:`test_some` over all, and a failed poll is the
+        common case. Raises TransportError on a failed request."""
+        return bool(self.test_some([request]))
+
+    def native_starter(self, op: Any, dtype: DType) -> Callable[[np.ndarray], Any]:
+        """A function starting the Native ``op`` on an array (its group set
+        up already): the per-call work of :meth:`native_allreduce` and
+        :meth:`native_broadcast` done once, for a schedule run many times."""
+        if op.kind == "allreduce":
+            return lambda arr: self.native_allreduce(arr, op.op, dtype, op.ranks)
+        return lambda arr: self.native_broadcast(arr, op.root, op.ranks)
+
+    def as_send(self, request: Any) -> Any:
+        """A request of :meth:`posters`' isend as :meth:`isend` returns it."""
+        return request
 
     @abstractmethod
     def irecv_any(self, array: np.ndarray, channel: str) -> Any:

@@ -9,7 +9,7 @@ the engine never lets two collectives ``window`` apart be in flight together.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -61,6 +61,16 @@ class MPITransport(Transport):
 
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         return self._comms[channel].Irecv(array, peer, self._tag(seq, msg))
+
+    def posters(self, channel: str, seq: int) -> tuple[Callable[[np.ndarray, int, int], Any],
+                                                       Callable[[np.ndarray, int, int], Any], int]:
+        # The bare mpi4py calls, the tag's high bits computed once: no wrapper
+        # object per message (the small-message path, docs/benchmarks.md).
+        comm = self._comms[channel]
+        return comm.Isend, comm.Irecv, ((seq % self._window) << MSG_BITS)
+
+    def as_send(self, request: Any) -> Any:
+        return request if isinstance(request, _SendRequest) else _SendRequest(request)
 
     def irecv_any(self, array: np.ndarray, channel: str) -> Any:
         return self._comms[channel].Irecv(array, MPI.ANY_SOURCE, self._tag(0, 0))
@@ -129,16 +139,27 @@ class MPITransport(Transport):
 
     def native_allreduce(self, array: np.ndarray, op: str, dtype: DType,
                          ranks: Sequence[int]) -> Any:
-        if not self.supports_native(op, dtype):
-            raise TransportError(f"MPI cannot reduce {dtype.name} with {op}")
-        mpi_type = getattr(MPI, dtype.mpi_name)  # type: ignore[arg-type]
-        return self._group_comm(ranks).Iallreduce(
-            MPI.IN_PLACE, [array, mpi_type], _MPI_OPS[op]
-        )
+        return self._allreduce_starter(op, dtype, ranks)(array)
 
     def native_broadcast(self, array: np.ndarray, root: int, ranks: Sequence[int]) -> Any:
-        local_root = list(ranks).index(root)
-        return self._group_comm(ranks).Ibcast([array, MPI.BYTE], root=local_root)
+        return self._broadcast_starter(root, ranks)(array)
+
+    def native_starter(self, op: Any, dtype: DType) -> Callable[[np.ndarray], Any]:
+        if op.kind == "allreduce":
+            return self._allreduce_starter(op.op, dtype, op.ranks)
+        return self._broadcast_starter(op.root, op.ranks)
+
+    def _allreduce_starter(self, op: str, dtype: DType,
+                           ranks: Sequence[int]) -> Callable[[np.ndarray], Any]:
+        if not self.supports_native(op, dtype):
+            raise TransportError(f"MPI cannot reduce {dtype.name} with {op}")
+        comm = self._group_comm(ranks)
+        mpi_type, mpi_op = getattr(MPI, dtype.mpi_name), _MPI_OPS[op]  # type: ignore[arg-type]
+        return lambda arr: comm.Iallreduce(MPI.IN_PLACE, [arr, mpi_type], mpi_op)
+
+    def _broadcast_starter(self, root: int, ranks: Sequence[int]) -> Callable[[np.ndarray], Any]:
+        comm, local_root = self._group_comm(ranks), list(ranks).index(root)
+        return lambda arr: comm.Ibcast([arr, MPI.BYTE], root=local_root)
 
     # -- progress -------------------------------------------------------------
     def test_some(self, requests: list[Any]) -> list[int]:
@@ -148,6 +169,13 @@ class MPITransport(Transport):
             raise TransportError(f"MPI error: {exc.Get_error_string()}",
                                  exc.Get_error_code()) from exc
         return done or []
+
+    def test_one(self, request: Any) -> bool:
+        try:
+            return request.Test()
+        except MPI.Exception as exc:
+            raise TransportError(f"MPI error: {exc.Get_error_string()}",
+                                 exc.Get_error_code()) from exc
 
     def abandon(self, request: Any) -> None:
         # Receives only. Cancelling a send is deprecated (MPI-4) and MPICH 5.0
