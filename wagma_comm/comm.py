@@ -510,18 +510,12 @@ class Communicator:
             # hands over to the engine.
             inline = (not async_op and data.nbytes <= INLINE_MAX_BYTES
                       and not (self._debug and self.size > 1)
-                      and all(self._transport.has_group(r) for r in natives)
+                      and (not natives or all(self._transport.has_group(r) for r in natives))
                       and self._engine.try_inline())
             if inline:
-                def make_inline_work() -> Work:  # only when a peer is late
-                    stage = Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done)
-                    handle = Handle(collective, seq, now + timeout, self._engine.alive,
-                                    self._engine.drive_until)
-                    return Work(seq, collective, handle, [stage], now + timeout, timeout,
-                                result=value, keepalive=buffer)
-
-                late = self._engine.run_inline(sched, dt, data, seq, now + timeout,
-                                               make_inline_work)
+                late = self._engine.run_inline(
+                    sched, dt, data, seq, now + timeout, self._inline_work,
+                    (collective, sched, dt, data, on_done, seq, now, timeout, value, buffer))
             else:
                 stages: list[Stage] = []
                 if self._debug and self.size > 1:
@@ -548,6 +542,18 @@ class Communicator:
                 on_done()
             return value
         return work.handle if async_op else work.handle.wait()
+
+    def _inline_work(self, collective: str, sched: Schedule, dt: DType, data: np.ndarray,
+                     on_done: Callable[[], None] | None, seq: int, now: float, timeout: float,
+                     value: Any, buffer: Any) -> Work:
+        """The Work of an inline run a late peer made the engine take over
+        (a method, not a closure: a closure's cells would be made on every
+        call of _submit)."""
+        stage = Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done)
+        handle = Handle(collective, seq, now + timeout, self._engine.alive,
+                        self._engine.drive_until)
+        return Work(seq, collective, handle, [stage], now + timeout, timeout,
+                    result=value, keepalive=buffer)
 
     # -- GPU buffers ------------------------------------------------------------
     def _gpu_queue(self, device_id: int) -> Any:

@@ -82,6 +82,63 @@ def test_late_peer_hands_the_run_to_the_engine(comm: wagma_comm.Communicator) ->
         assert comm.statistics()["inline_handed_over"] > before
 
 
+@pytest.mark.parametrize("algorithm", ["recursive_doubling", "rabenseifner", "ring", "native"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_every_algorithm_runs_inline_on_fresh_buffers(comm: wagma_comm.Communicator,
+                                                      algorithm: str, op: str) -> None:
+    """A Program is reused across calls: new buffers every call (odd lengths,
+    so Rabenseifner and ring cut the buffer into uneven slices) must each get
+    their own result, never a stale binding of an earlier call."""
+    rng = np.random.default_rng(1234)
+    for count in (1, 7, 7, 33, 7):
+        data = rng.integers(-50, 50, size=(SIZE, count)).astype(np.float64)
+        buf = data[RANK].copy()
+        comm.allreduce(buf, op=op, algorithm=algorithm)
+        expected = {"sum": data.sum(0), "avg": data.sum(0) / SIZE, "max": data.max(0)}[op]
+        np.testing.assert_array_equal(buf, expected)
+
+
+def test_inline_counters_match_the_messages(comm: wagma_comm.Communicator) -> None:
+    """Inline runs are counted per program (the per-call path stays lean);
+    statistics() must still show every run and its messages, also after the
+    program cache was emptied."""
+    from wagma_comm.runtime import engine as engine_mod
+    from wagma_comm.schedule import algorithms
+
+    def counters() -> tuple[int, int, int]:
+        stats = comm.statistics()
+        return stats["inline"] + stats["inline_handed_over"], stats["messages_sent"], \
+            stats["bytes_sent"]
+
+    calls, expected_sent, expected_bytes = 0, 0, 0
+    before = counters()
+    for count in range(1, engine_mod._PROGRAM_CACHE_LIMIT + 6):  # forces one eviction
+        buf = np.ones(count, np.float32)
+        comm.allreduce(buf)
+        sched = algorithms.compile_allreduce(RANK, tuple(range(SIZE)), count, "sum",
+                                             "recursive_doubling")
+        sends = [op for op in sched.ops if type(op).__name__ == "Send"]
+        calls += 1
+        expected_sent += len(sends)
+        expected_bytes += sum(op.src.count for op in sends) * 4
+    after = counters()
+    assert after[0] - before[0] == calls
+    assert after[1] - before[1] == expected_sent
+    assert after[2] - before[2] == expected_bytes
+
+
+def test_no_reference_to_the_buffer_is_kept(comm: wagma_comm.Communicator) -> None:
+    """Programs keep views of their own scratch only: the caller's array can
+    be resized in place (NumPy refuses while anything else refers to it)."""
+    buf = np.full(6, RANK + 1, np.float32)
+    comm.allreduce(buf)
+    np.testing.assert_array_equal(buf, _expected(6, np.float32))
+    buf.resize(9, refcheck=True)  # raises ValueError if referenced
+    buf[:] = RANK + 1
+    comm.allreduce(buf)
+    np.testing.assert_array_equal(buf, _expected(9, np.float32))
+
+
 def test_inline_timeout_names_the_missing_ranks() -> None:
     """A deadline shorter than the hand-over patience expires inline."""
     if SIZE == 1:

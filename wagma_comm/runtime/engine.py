@@ -403,13 +403,15 @@ class Engine:
         return idle
 
     def run_inline(self, schedule: Schedule, dtype: DType, data: np.ndarray, seq: int,
-                   deadline: float, make_work: Callable[[], Work]) -> Handle | None:
+                   deadline: float, work_of: Callable[..., Work],
+                   work_args: tuple[Any, ...]) -> Handle | None:
         """Run a claimed collective (``schedule`` over ``data`` on the data
         channel) on the calling thread, as its :class:`Program`. Returns None
-        when it finished here, or the Handle of the Work (``make_work()``: one
-        stage, that schedule) it handed to the engine because a peer was late;
-        raises the collective's error (a timeout breaks the engine, as in the
-        engine itself). Releases the claim, whatever happens."""
+        when it finished here, or the Handle of the Work
+        (``work_of(*work_args)``: one stage, that schedule; made only then)
+        it handed to the engine because a peer was late; raises the
+        collective's error (a timeout breaks the engine, as in the engine
+        itself). Releases the claim, whatever happens."""
         state: ProgramRun | None = None
         run: _Run | None = None
         self._inline_runs += 1
@@ -421,7 +423,7 @@ class Engine:
                 program.runs += 1  # counted by statistics(), not in finally
                 state = None
                 return None
-            work = make_work()
+            work = work_of(*work_args)
             if outcome == EXPIRED:
                 error = timeout_error(work, work.stages[0], schedule.ops,
                                       state.posted(self._transport))
@@ -446,7 +448,7 @@ class Engine:
                 self._cv.notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
-            failure = self._inline_failed(exc, schedule, state, run, make_work)
+            failure = self._inline_failed(exc, schedule, state, run, work_of, work_args)
             if failure is exc:
                 raise
             raise failure from exc
@@ -474,7 +476,8 @@ class Engine:
         return cached[1]
 
     def _inline_failed(self, exc: BaseException, schedule: Schedule, state: ProgramRun | None,
-                       run: _Run | None, make_work: Callable[[], Work]) -> BaseException:
+                       run: _Run | None, work_of: Callable[..., Work],
+                       work_args: tuple[Any, ...]) -> BaseException:
         """The error an inline run raises, with the engine left consistent:
         outstanding requests dropped (cancelled unless a peer died), the
         buffers MPI may still touch kept alive, and the engine broken when
@@ -491,7 +494,7 @@ class Engine:
             broken = exc
             dead = self._watch.dead_among(schedule.ranks, settle=True)
             if dead is not None:  # MPI's error is how the death showed
-                work = make_work()
+                work = work_of(*work_args)
                 failure = broken = dead(work.collective, work.seq)
         elif isinstance(exc, RankFailedError):
             broken = exc

@@ -281,6 +281,7 @@ class ProgramRun:
                         requests.append(actions[i](arr))
                     owners.append(i)
                 if completed == total:
+                    self.data = None  # the caller's buffer is not ours to keep
                     return DONE
                 # A failed poll is the common case and, on a loaded machine,
                 # its cost is paid once per poll per rank: test one request
