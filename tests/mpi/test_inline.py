@@ -104,6 +104,7 @@ def test_inline_counters_match_the_messages(comm: wagma_comm.Communicator) -> No
     program cache was emptied."""
     from wagma_comm.runtime import engine as engine_mod
     from wagma_comm.schedule import algorithms
+    from wagma_comm.schedule.ir import Send
 
     def counters() -> tuple[int, int, int]:
         stats = comm.statistics()
@@ -117,7 +118,7 @@ def test_inline_counters_match_the_messages(comm: wagma_comm.Communicator) -> No
         comm.allreduce(buf)
         sched = algorithms.compile_allreduce(RANK, tuple(range(SIZE)), count, "sum",
                                              "recursive_doubling")
-        sends = [op for op in sched.ops if type(op).__name__ == "Send"]
+        sends = [op for op in sched.ops if isinstance(op, Send)]
         calls += 1
         expected_sent += len(sends)
         expected_bytes += sum(op.src.count for op in sends) * 4

@@ -880,10 +880,7 @@ def reduce_views(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> Non
     contiguous, of ``dtype.storage`` and of one size by construction: the same
     kernels without the argument checks, which cost more than the reduction of
     a small message. Large ones still go through reduce_into (threads)."""
-    if _chunks(dst.size, dst.itemsize) is not None:
-        reduce_into(dst, src, op, dtype)
-    else:
-        _reduce_kernel(dtype, _OP_CODES[op])(dst, src)
+    reducer(op, dtype, dst.size)(dst, src)
 
 
 def _average(d: np.ndarray, parts: Sequence[np.ndarray], divisor: int, dtype: DType) -> None:

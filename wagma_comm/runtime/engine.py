@@ -471,7 +471,8 @@ class Engine:
             if len(self._programs) >= _PROGRAM_CACHE_LIMIT:  # each holds its scratch
                 self._fold_program_counts()
                 self._programs.clear()
-            cached = (schedule, Program(schedule, dtype, self._transport))
+            cached = (schedule, Program(schedule, dtype, self._transport,
+                                        self._plan_of(schedule)))
             self._programs[key] = cached
         return cached[1]
 

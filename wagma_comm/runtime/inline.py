@@ -148,9 +148,10 @@ class Program:
                  "sends", "bytes_sent", "recvs", "bytes_received", "local_ops", "runs",
                  "_scratch", "_args", "_run")
 
-    def __init__(self, schedule: Schedule, dtype: DType, transport: Transport) -> None:
+    def __init__(self, schedule: Schedule, dtype: DType, transport: Transport,
+                 schedule_plan: Plan) -> None:
         self.schedule, self.dtype = schedule, dtype
-        self.plan = plan(schedule)
+        self.plan = schedule_plan  # plan(schedule), shared with the engine's cache
         kinds: list[int] = []
         peers: list[int] = []
         msgs: list[int] = []

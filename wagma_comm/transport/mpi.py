@@ -48,6 +48,7 @@ class MPITransport(Transport):
         self._create_comm = comm.Dup()
         self._world_group = self._comms[CHANNELS[0]].Get_group()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
+        self._everyone = tuple(range(self.size))
 
     @property
     def seq_window(self) -> int:
@@ -114,13 +115,15 @@ class MPITransport(Transport):
     # -- native collectives -------------------------------------------------
     def _group_comm(self, ranks: Sequence[int]) -> MPI.Comm:
         key = tuple(ranks)
-        if len(key) == self.size and key == tuple(range(self.size)):
+        if key == self._everyone:
             return self._comms["data"]
         return self._groups[key]
 
     def has_group(self, ranks: Sequence[int]) -> bool:
-        key = tuple(ranks)
-        return key == tuple(range(self.size)) or key in self._groups
+        # Asked on every call of a native collective: no tuple made for the
+        # common case, a tuple of ranks already.
+        key = ranks if type(ranks) is tuple else tuple(ranks)
+        return key == self._everyone or key in self._groups
 
     def create_group(self, ranks: Sequence[int]) -> None:
         key = tuple(ranks)
