@@ -60,6 +60,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--activation", choices=("global", "group"), default="group",
                    help="WAGMA activation scope (docs/partial.md; default group: measured "
                         "faster here, docs/training.md)")
+    p.add_argument("--round-start", choices=("gradient", "iteration"), default="gradient",
+                   help="when a WAGMA rank arrives at its round: once its gradient is "
+                        "ready (its model published at the start of the iteration), or "
+                        "at the start of the iteration (docs/training.md)")
     p.add_argument("--shards", choices=("iid", "label"), default="iid",
                    help="iid: a random 1/P of the training set per rank; label: sorted "
                         "by label, so each rank sees only one or two classes")
@@ -185,7 +189,7 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
         model=model, group_size=o.group_size or None, sync_every=o.sync_every, seed=seed,
-        activation=o.activation)
+        activation=o.activation, round_start=o.round_start)
     shard = make_shard(data.y_train.numpy(), rank, P, seed, o.shards)
     per_epoch = max(1, len(shard) // o.batch)
     total = iterations if iterations is not None else o.epochs * per_epoch
@@ -409,7 +413,8 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         print(f"# wagma demo: {P} ranks, digits MLP (64-{o.hidden}-10), {o.epochs} epochs of "
               f"{o.batch} samples/rank/step, SGD lr {o.lr} momentum {o.momentum}, injector "
               f"{spec}, compute {1e3 * o.compute:g} ms, group size {o.group_size}, sync every "
-              f"{o.sync_every} ({o.activation} activation), {o.shards} shards, seeds "
+              f"{o.sync_every} ({o.activation} activation, rounds start at the {o.round_start}), "
+              f"{o.shards} shards, seeds "
               f"0..{o.seeds - 1}", file=out, flush=True)
     # Warm-up (untimed): JIT-compiled kernels, schedules and channels.
     none = imb.make_injector("none", P, 0)

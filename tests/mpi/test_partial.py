@@ -104,6 +104,45 @@ def test_wagma_global_group_slow_rank_staleness_is_exact(comm: Communicator) -> 
 
 
 @pytest.mark.parametrize("scope", SCOPES)
+def test_wagma_published_model_is_fresh_in_a_round_a_peer_starts(
+        comm: Communicator, scope: str) -> None:
+    """The slow rank publishes (without stepping) before the fast ranks step:
+    their rounds average its published model, which counts as fresh, and the
+    later of two publishes is the one used. Group of all ranks, plain mean, so
+    every result is exact."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), SIZE, sync_every=10,
+                                           activation=scope, normalization="mean")
+    if RANK == SLOW:
+        w.publish(np.full(3, 1000.0))
+        w.publish(np.full(3, 50.0))  # replaces the first
+    WORLD.Barrier()  # published before any fast rank steps
+    if RANK != SLOW:
+        model = np.full(3, float(RANK))
+        info = w.step(model)
+        assert info.round == 0 and SLOW in info.fresh, info
+        expected = (sum(range(SIZE - 1)) + 50.0) / SIZE
+        assert np.all(model == expected), (model, expected)
+    WORLD.Barrier()
+    if RANK == SLOW:  # its round ran without it: the result comes at once
+        model = np.full(3, 50.0)
+        info = w.step(model)
+        assert info.round == 0 and info.staleness == 1 and SLOW in info.fresh
+        assert np.all(model == (sum(range(SIZE - 1)) + 50.0) / SIZE)
+    stats = _gather(w.statistics())
+    assert sum(s["stale_contributions"] for s in stats) == 0
+    for bad in (np.zeros(4), np.zeros(3, np.float32)):
+        with pytest.raises(wagma_comm.InvalidArgumentError) as err:
+            w.publish(bad)
+        assert err.value.argument == "buf"
+    w.flush()
+    w.close()
+    with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+        w.publish(np.zeros(3))
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
         comm: Communicator, scope: str, dtype: str) -> None:

@@ -16,6 +16,7 @@ import importlib.util
 import io
 import os
 import tempfile
+import time
 from types import ModuleType
 from typing import Any, Iterator
 
@@ -139,7 +140,9 @@ def test_initial_weights_come_from_rank_0(comm: Communicator) -> None:
 # -- the WAGMA step, by hand ------------------------------------------------------------
 
 
-def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator) -> None:
+@pytest.mark.parametrize("round_start", ["gradient", "iteration"])
+def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator,
+                                                        round_start: str) -> None:
     """Iteration t on rank i (ALGORITHMS.md s. 2): g = grad at the pre-averaging
     w_i; W = (sum of the group's published models + w_i) / (S + 1), or the global
     mean in a sync round; v = m v + g; w = W - lr v. A member's published model
@@ -151,7 +154,8 @@ def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator) -> N
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=m), comm,
-                               "wagma", model=model, group_size=S, sync_every=tau)
+                               "wagma", model=model, group_size=S, sync_every=tau,
+                               round_start=round_start)
     g = torch.Generator().manual_seed(RANK)
     x, y = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
     published = np.tile(_flat(model).astype(np.float64), (SIZE, 1))  # the initial model
@@ -180,6 +184,35 @@ def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator) -> N
         expected = avg - lr * v
         np.testing.assert_allclose(_flat(model), expected, rtol=1e-5, atol=1e-6)
     opt.close()
+
+
+def test_a_rank_still_computing_contributes_its_current_model(comm: Communicator) -> None:
+    """round_start="gradient": the last rank publishes its model at start() and
+    computes (sleeps) long after the others finish theirs, so every round they
+    start runs without its arrival -- yet with its current model, counted
+    fresh. Group of all ranks, plain mean: the fast ranks' result is exact."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    params = [np.full(5, float(RANK))]
+    avg = Averager(comm, params, "wagma", group_size=SIZE, sync_every=100,
+                   normalization="mean", activation="group")
+    for t in range(3):
+        pre = _gather_rows(comm, params[0].copy())
+        avg.start(params)
+        WORLD.Barrier()  # everyone has published; nobody has arrived yet
+        if RANK == LAST:
+            time.sleep(0.3)  # long after every fast rank's round has run
+        info = avg.finish(params).info
+        assert info is not None
+        rnd = info.rounds[0]
+        assert rnd.round == t and rnd.fresh == tuple(range(SIZE)), rnd
+        if RANK == LAST:
+            assert info.staleness == 1  # its round ran without its arrival
+        else:
+            np.testing.assert_array_equal(params[0], pre.mean(0))
+        params[0] += 1.0  # the "optimizer step": a new model every iteration
+    assert avg.method.statistics()["stale_contributions"] == 0
+    avg.close()
 
 
 def test_sync_rounds_leave_replicas_bitwise_identical(comm: Communicator) -> None:

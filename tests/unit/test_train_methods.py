@@ -31,6 +31,11 @@ def test_bad_knobs_raise_before_any_communication() -> None:
         make_method("wagma", activation="world")
     with pytest.raises(InvalidArgumentError, match="normalization"):
         make_method("wagma", normalization="median")
+    with pytest.raises(InvalidArgumentError, match="round_start"):
+        make_method("wagma", round_start="backward")
+    assert make_method("wagma").round_start == "gradient"  # type: ignore[attr-defined]
+    m = make_method("wagma", round_start="iteration")
+    assert m.round_start == "iteration"  # type: ignore[attr-defined]
     with pytest.raises(InvalidArgumentError, match="seed"):
         make_method("majority", seed=-1)
 

@@ -1,7 +1,10 @@
 """WAGMA-SGD's wait-avoiding group allreduce of models (ALGORITHMS.md s. 2-3).
 
 Each rank *publishes* the model it passes to ``step`` (a copy the progress
-thread owns). Round ``r`` sums the published models of this round's group
+thread owns), or earlier with ``publish``: a trainer publishes its model as
+soon as it is final (the start of an iteration) and steps once its gradient is
+ready, so a round a faster peer starts meanwhile averages this rank's current
+model instead of the previous iteration's. Round ``r`` sums the published models of this round's group
 (shifting groups, ``groups.py``) and the caller combines that sum with its own
 current model:
 
@@ -58,6 +61,18 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         self._published = np.array(self._template.host_array(), copy=True)
         self._published_round = -1
         self._latest: Result | None = None
+
+    def publish(self, buf: Any) -> None:
+        """Make ``buf`` (copied now) this rank's contribution to its next round
+        without arriving at it: a round a peer starts before this rank's
+        :meth:`step` uses it and counts it fresh. ``step`` publishes its own
+        buffer again. Why: in WAGMA-SGD the model is final before the gradient
+        is computed, so it can be handed over while the application computes
+        (docs/partial.md, "Publishing early")."""
+        data, _ = self._check_buf(buf)
+        self._check_usable()
+        with self._lock:
+            self._contribute(data, self._app_round)
 
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:

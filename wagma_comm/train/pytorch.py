@@ -153,7 +153,7 @@ class DistributedOptimizer:
     ``model`` (optional) gives parameter names for errors and its buffers
     (e.g. BatchNorm statistics) for the initial broadcast. ``knobs`` go to
     :func:`~wagma_comm.train.make_method`: ``group_size``, ``sync_every``,
-    ``activation``, ``normalization``, ``seed``, ``mpi_comm``.
+    ``activation``, ``normalization``, ``round_start``, ``seed``, ``mpi_comm``.
     Use ``opt.optimizer`` for learning-rate schedulers.
     """
 

@@ -30,8 +30,8 @@ METHODS: tuple[str, ...] = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "m
 
 
 def make_method(name: str | Method, *, group_size: int | None = None, sync_every: int = 10,
-                activation: str = "global", normalization: str = "wagma", seed: int = 0,
-                mpi_comm: Any = None) -> Method:
+                activation: str = "global", normalization: str = "wagma",
+                round_start: str = "gradient", seed: int = 0, mpi_comm: Any = None) -> Method:
     """A method by name, with the knobs that apply to it (the others are ignored,
     so one set of options can drive every method). A :class:`Method` instance
     is returned as is. Knob errors are raised here, before any communication."""
@@ -49,7 +49,7 @@ def make_method(name: str | Method, *, group_size: int | None = None, sync_every
         return EagerSGD(name, sync_every, seed)
     if name == "wagma":
         return WagmaSGD(group_size, sync_every, activation=activation,
-                        normalization=normalization)
+                        normalization=normalization, round_start=round_start)
     if name == "ad_psgd":
         return ADPSGD()
     raise InvalidArgumentError("method", f"unknown method {name!r}; expected one of "

@@ -16,6 +16,8 @@ import numpy as np
 from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
 from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS
+
+ROUND_STARTS = ("gradient", "iteration")
 from . import _resumable
 from .base import MODEL, AveragingInfo, Method, check_int
 
@@ -60,13 +62,29 @@ class LocalSGD(Method):
 class WagmaSGD(Method):
     """WAGMA-SGD: the wait-avoiding group allreduce of the model over shifting
     groups, a blocking global mean every ``sync_every`` iterations (after which
-    every replica's averaged model is bitwise identical)."""
+    every replica's averaged model is bitwise identical).
+
+    ``round_start`` says when this rank arrives at its round (the first member
+    to arrive starts it; the others' progress threads contribute what they
+    last published):
+
+    * ``"gradient"`` (default): :meth:`start` only *publishes* the model (it is
+      final before the gradient is computed) and :meth:`finish` arrives. A
+      peer still computing its gradient then contributes its current model,
+      so only a rank a whole iteration behind is stale; the first member to
+      finish its gradient waits for the round's messages.
+    * ``"iteration"``: :meth:`start` publishes and arrives at once, so the
+      round runs during this rank's compute, but a peer that has not yet
+      finished its previous iteration contributes that iteration's model.
+
+    docs/training.md compares the two."""
 
     name = "wagma"
     deterministic = False
 
     def __init__(self, group_size: int | None = None, sync_every: int = 10, *,
-                 activation: str = "global", normalization: str = "wagma") -> None:
+                 activation: str = "global", normalization: str = "wagma",
+                 round_start: str = "gradient") -> None:
         super().__init__()
         self.group_size = None if group_size is None else check_int("group_size", group_size, 1)
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -76,9 +94,14 @@ class WagmaSGD(Method):
         if normalization not in NORMALIZATIONS:
             raise InvalidArgumentError("normalization", f"expected one of "
                                        f"{list(NORMALIZATIONS)}, got {normalization!r}")
+        if round_start not in ROUND_STARTS:
+            raise InvalidArgumentError("round_start", f"expected one of "
+                                       f"{list(ROUND_STARTS)}, got {round_start!r}")
         self.activation, self.normalization = activation, normalization
+        self.round_start = round_start
         self._colls: list[Any] = []
         self._handles: list[Any] = []
+        self._buffers: list[np.ndarray] = []  # published, not yet stepped
 
     def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
         if self.group_size is None:
@@ -96,10 +119,23 @@ class WagmaSGD(Method):
             normalization=self.normalization) for b in buffers]
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+        if self.round_start == "gradient" and not self._is_sync_round(t):
+            for c, b in zip(self._colls, buffers):
+                c.publish(b)
+            self._buffers = buffers
+            return
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
+
+    def _is_sync_round(self, t: int) -> bool:
+        # A sync round blocks for everyone anyway: arriving early costs nothing.
+        return self.sync_every != _resumable.NO_SYNC and (t + 1) % self.sync_every == 0
 
     def _finish(self, t: int) -> AveragingInfo:
         t0 = time.perf_counter()
+        if self._buffers:
+            self._handles = [c.step(b, async_op=True)
+                             for c, b in zip(self._colls, self._buffers)]
+            self._buffers = []
         infos = tuple(h.wait() for h in self._handles)
         self._handles = []
         return AveragingInfo(t, self.name, MODEL, infos[0].synchronized,
@@ -127,7 +163,7 @@ class WagmaSGD(Method):
 
     def describe(self) -> str:
         return (f"{self.name} (groups of {self.group_size}, sync every {self.sync_every}, "
-                f"{self.activation} activation)")
+                f"{self.activation} activation, rounds start at the {self.round_start})")
 
 
 class ADPSGD(WagmaSGD):
