@@ -60,7 +60,6 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 
 from .. import dtypes
@@ -70,6 +69,7 @@ from ..errors import (
     InvalidArgumentError,
     UnsupportedError,
 )
+from ..torch_views import numpy_of, torch_of
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -138,22 +138,14 @@ def _host_array(buf: Any) -> np.ndarray | None:
         return buf
     if buf.is_cuda:
         return None
-    import torch
-
-    if buf.dtype == torch.bfloat16:
-        return buf.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return buf.numpy()
+    return numpy_of(buf)
 
 
 def _torch_view(buf: Any) -> Any:
     """A torch tensor over the same memory (bfloat16 through a uint16 view)."""
-    import torch
-
     if _is_torch_tensor(buf):
         return buf
-    if buf.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(buf.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_numpy(buf)
+    return torch_of(buf)
 
 
 def _divide(arr: np.ndarray, n: int, row: dtypes.DType) -> None:

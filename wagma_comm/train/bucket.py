@@ -30,6 +30,7 @@ import numpy as np
 from .. import dtypes
 from ..buffers import DL_CPU, DL_CUDA_HOST, as_buffer
 from ..errors import BufferError, InvalidArgumentError, UnsupportedError
+from ..torch_views import torch_of
 from .specs import TensorSpec, bucket_sizes, check_names, layout
 
 __all__ = ["FlatBucket", "host_view"]
@@ -87,15 +88,6 @@ def _on_device(obj: Any) -> bool:
         return False
 
 
-def torch_host_view(arr: np.ndarray) -> Any:
-    """A torch view of a host NumPy array (bfloat16 through an int16 view)."""
-    import torch
-
-    if arr.dtype == dtypes.BFLOAT16.numpy:
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(arr)
-
-
 class DeviceView:
     """A device tensor of any framework, seen through ``torch.from_dlpack``,
     copied to and from host buffers (flat, same dtype)."""
@@ -120,10 +112,10 @@ class DeviceView:
         self.size = self.tensor.numel()
 
     def read_into(self, dst: np.ndarray) -> None:
-        torch_host_view(dst).copy_(self.tensor)
+        torch_of(dst).copy_(self.tensor)
 
     def write_from(self, src: np.ndarray) -> None:
-        self.tensor.copy_(torch_host_view(src))
+        self.tensor.copy_(torch_of(src))
 
 
 def tensor_view(obj: Any, argument: str, *, writable: bool) -> np.ndarray | DeviceView:

@@ -30,12 +30,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from .. import dtypes
 from ..errors import InvalidArgumentError
+from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .specs import TensorSpec, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
@@ -55,14 +55,6 @@ def torch_dtype_name(dtype: torch.dtype, argument: str) -> str:
         raise InvalidArgumentError(argument, f"unsupported dtype {dtype}; expected one of "
                                    f"{sorted(_TORCH_DTYPES.values())}")
     return name
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a host tensor, typed as wagma's dtype (bfloat16 through
-    an int16 view, since NumPy has no bfloat16 of its own)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 def _specs(tensors: Sequence[torch.Tensor], names: Sequence[str | None],
@@ -88,7 +80,7 @@ class TorchBucket:
             self._host[dt] = host
             self._dev[dt] = torch.zeros(n, dtype=_BY_NAME[dt], device=device) \
                 if staged else host
-            self._np[dt] = _numpy_view(host)
+            self._np[dt] = numpy_of(host)
             assert dtypes.from_numpy(self._np[dt].dtype) is dtypes.BY_NAME[dt]
 
     def buffers(self) -> list[np.ndarray]:

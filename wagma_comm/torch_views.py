@@ -1,0 +1,35 @@
+"""Zero-copy views between host NumPy arrays and PyTorch CPU tensors.
+
+NumPy has no bfloat16 of its own (``ml_dtypes`` supplies one) and PyTorch
+cannot hand a bfloat16 tensor to NumPy, so bfloat16 crosses through a 16-bit
+integer view of the same memory. The training layer and the benchmarks' peers
+both need this; it lives here once. PyTorch is imported only when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+
+def numpy_of(tensor: Any) -> np.ndarray:
+    """A NumPy view of a host (CPU) tensor, typed as wagma's dtype."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def torch_of(array: np.ndarray) -> Any:
+    """A torch tensor over a host NumPy array's memory."""
+    import torch
+
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+__all__ = ["numpy_of", "torch_of"]
