@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.bench.measure import alternating
 
 
 def measure(call: Callable[[], object], iters: int, world: MPI.Comm) -> tuple[float, float]:
@@ -52,7 +53,7 @@ def main() -> None:
             call()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
     for r in range(args.rounds):
-        for name in (list(impls) if r % 2 == 0 else list(reversed(impls))):
+        for name in alternating(list(impls), r):
             samples[name].append(measure(impls[name], args.iters, world))
     rows = []
     for name, values in samples.items():

@@ -29,6 +29,7 @@ from mpi4py import MPI
 from numba import njit
 
 import wagma_comm
+from wagma_comm.bench.measure import alternating
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -118,7 +119,7 @@ def main() -> None:
         failed[key] = 0
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in impls}
     for r in range(rounds):
-        for name in (list(impls) if r % 2 == 0 else list(reversed(impls))):
+        for name in alternating(list(impls), r):
             WORLD.Barrier()
             w0, c0 = time.perf_counter(), time.process_time()
             for _ in range(iters):

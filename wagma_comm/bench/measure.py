@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -35,6 +35,12 @@ def time_calls(call: Callable[[], object], iters: int, comm: MPI.Comm) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def alternating(names: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order: forwards, then backwards, so no implementation
+    always runs first (or right after the same neighbour) on a noisy machine."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
 def side_by_side(impls: dict[str, Callable[[], object]], iters: int, warmup: int,
                  rounds: int, comm: MPI.Comm) -> dict[str, Timing]:
     """Time every implementation in alternating rounds; reduce over ranks."""
@@ -43,8 +49,7 @@ def side_by_side(impls: dict[str, Callable[[], object]], iters: int, warmup: int
             call()
     samples: dict[str, list[float]] = {name: [] for name in impls}
     for r in range(rounds):
-        order = list(impls) if r % 2 == 0 else list(reversed(impls))
-        for name in order:
+        for name in alternating(list(impls), r):
             samples[name].append(time_calls(impls[name], iters, comm))
     out = {}
     for name, values in samples.items():

@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from . import check as checking
-from .measure import Timing, iterations_for
+from .measure import Timing, alternating, iterations_for
 
 COMPUTE_KINDS = ("numpy", "python", "sleep")
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
@@ -328,8 +328,7 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
                 wrong[name] = world.allreduce(checking.count_wrong(arr, dt, expected))
             samples: dict[str, list[RoundTimes]] = {name: [] for name in impls}
             for r in range(rounds):
-                order = list(impls) if r % 2 == 0 else list(reversed(impls))
-                for name in order:
+                for name in alternating(list(impls), r):
                     post, wait = impls[name]
                     samples[name].append(
                         time_overlap_round(post, wait, computes[name], n, world))
