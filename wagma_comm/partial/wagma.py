@@ -4,9 +4,9 @@ Each rank *publishes* the model it passes to ``step`` (a copy the progress
 thread owns), or earlier with ``publish``: a trainer publishes its model as
 soon as it is final (the start of an iteration) and steps once its gradient is
 ready, so a round a faster peer starts meanwhile averages this rank's current
-model instead of the previous iteration's. Round ``r`` sums the published models of this round's group
-(shifting groups, ``groups.py``) and the caller combines that sum with its own
-current model:
+model instead of the previous iteration's. Round ``r`` sums the published
+models of this round's group (shifting groups, ``groups.py``) and the caller
+combines that sum with its own current model:
 
 * ``normalization="wagma"`` (default, the paper's): ``(sum + w) / (S + 1)``, so
   an on-time rank's own model weighs ``2/(S+1)``;
@@ -68,7 +68,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         :meth:`step` uses it and counts it fresh. ``step`` publishes its own
         buffer again. Why: in WAGMA-SGD the model is final before the gradient
         is computed, so it can be handed over while the application computes
-        (docs/partial.md, "Publishing early")."""
+        (docs/partial.md, the ``publish`` entry of the WAGMA section)."""
         data, _ = self._check_buf(buf)
         self._check_usable()
         with self._lock:

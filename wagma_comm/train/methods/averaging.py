@@ -16,10 +16,11 @@ import numpy as np
 from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
 from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS
-
-ROUND_STARTS = ("gradient", "iteration")
+from ...runtime.activation import is_sync_round
 from . import _resumable
 from .base import MODEL, AveragingInfo, Method, check_int
+
+ROUND_STARTS = ("gradient", "iteration")
 
 
 def default_group_size(size: int) -> int:
@@ -119,16 +120,13 @@ class WagmaSGD(Method):
             normalization=self.normalization) for b in buffers]
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
-        if self.round_start == "gradient" and not self._is_sync_round(t):
+        # A sync round blocks for everyone anyway: arriving early costs nothing.
+        if self.round_start == "gradient" and not is_sync_round(t, self.sync_every):
             for c, b in zip(self._colls, buffers):
                 c.publish(b)
             self._buffers = buffers
             return
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
-
-    def _is_sync_round(self, t: int) -> bool:
-        # A sync round blocks for everyone anyway: arriving early costs nothing.
-        return self.sync_every != _resumable.NO_SYNC and (t + 1) % self.sync_every == 0
 
     def _finish(self, t: int) -> AveragingInfo:
         t0 = time.perf_counter()
