@@ -98,6 +98,36 @@ def test_every_algorithm_runs_inline_on_fresh_buffers(comm: wagma_comm.Communica
         np.testing.assert_array_equal(buf, expected)
 
 
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_both_inline_executors_give_every_algorithm_its_result(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
+    """Compiled schedules run as straight lines (runtime/straight.py); the
+    dataflow executor stays for the others and must keep working: both, on
+    every algorithm, fresh buffers of odd lengths, and a barrier between."""
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
+    c = wagma_comm.init(timeout=30)
+    try:
+        rng = np.random.default_rng(99)
+        for algorithm in ("recursive_doubling", "rabenseifner", "ring", "native"):
+            for op in ("sum", "avg", "min"):
+                data = rng.integers(-50, 50, size=(SIZE, 5)).astype(np.float32)
+                buf = data[RANK].copy()
+                c.allreduce(buf, op=op, algorithm=algorithm)
+                expected = {"sum": data.sum(0), "avg": data.sum(0) / SIZE,
+                            "min": data.min(0)}[op]
+                np.testing.assert_allclose(buf, expected, rtol=1e-6)
+                c.barrier()
+        stats = c.statistics()
+        assert stats["inline"] + stats["inline_handed_over"] >= 24
+        programs = [program for _, program in c._engine._programs.values()]
+        assert programs and all((program.line is not None) == straight
+                                for program in programs)
+    finally:
+        c.close()
+
+
 def test_inline_counters_match_the_messages(comm: wagma_comm.Communicator) -> None:
     """Inline runs are counted per program (the per-call path stays lean);
     statistics() must still show every run and its messages, also after the
@@ -161,30 +191,38 @@ def test_inline_timeout_names_the_missing_ranks() -> None:
     c.close(cancel=True)
 
 
-def test_interrupt_during_an_inline_run_breaks_the_communicator() -> None:
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_interrupt_during_an_inline_run_breaks_the_communicator(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
     """Ctrl-C inside an inline run after messages went out: late messages of
     that round could match a round one sequence window later, so the
-    communicator must refuse further work (no silent wrong result)."""
+    communicator must refuse further work (no silent wrong result). Both
+    executors: the straight line tests with the transport's tester, the
+    dataflow run with test_one/test_some."""
     if SIZE == 1:
         pytest.skip("a one-rank collective posts nothing")
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
     c = wagma_comm.init(timeout=20)
     transport = c._transport
-    real = transport.test_some
+    real, real_one, real_tester = transport.test_some, transport.test_one, transport.tester
 
-    def interrupted(requests: list) -> list:  # every rank: nobody waits for anybody
-        transport.test_some = real
+    def interrupted(*args: object) -> object:  # every rank: nobody waits for anybody
+        transport.test_some, transport.test_one = real, real_one
         raise KeyboardInterrupt
 
     try:
         c.barrier()
-        transport.test_some = interrupted
+        transport.test_some = transport.test_one = interrupted
+        transport.tester = lambda: interrupted  # bound by the program made next
         with pytest.raises(KeyboardInterrupt):
             c.allreduce(np.ones(2, np.float32))
         assert c.statistics()["broken"] is not None
         with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
             c.allreduce(np.ones(2, np.float32))
     finally:
-        transport.test_some = real
+        transport.test_some, transport.test_one, transport.tester = real, real_one, real_tester
         WORLD.Barrier()
         c.close(cancel=True)
 

@@ -33,11 +33,13 @@ from ..errors import (
     WagmaError,
 )
 from ..schedule.ir import DATA, Recv, Schedule, Send
+from ..schedule.straight import straight_order, straight_safe
 from ..transport.base import CHANNEL_DATA, Transport
 from .handle import Handle
 from .inline import DONE, EXPIRED, Plan, Program, ProgramRun, plan, post, run_local
 from .liveness import Liveness
 from .pool import ScratchPool
+from .straight import StraightLine
 from .watch import Watch, timeout_error
 
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
@@ -47,6 +49,11 @@ _SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
 _MAX_SLEEP_S = 1e-3
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
+
+# Inline runs use a schedule's straight-line form where it is proven safe
+# (runtime/straight.py); False keeps every run on the dataflow executor (A/B
+# measurements, tests of that executor).
+STRAIGHT_LINES = True
 
 _PLAN_CACHE_LIMIT = 4096
 _PROGRAM_CACHE_LIMIT = 64  # small schedules (inline runs) with their scratch
@@ -414,15 +421,27 @@ class Engine:
         itself). Releases the claim, whatever happens."""
         state: ProgramRun | None = None
         run: _Run | None = None
+        line: StraightLine | None = None
         self._inline_runs += 1
         try:
             program = self._program_of(schedule, dtype)
-            state = program.start(data)
-            outcome = state.execute(self._transport, CHANNEL_DATA, seq, deadline, _SPIN_S)
-            if outcome == DONE:
-                program.runs += 1  # counted by statistics(), not in finally
-                state = None
-                return None
+            line = program.line
+            if line is not None:
+                program.prepare()
+                isend, irecv, base = self._transport.posters(CHANNEL_DATA, seq)
+                stopped = line.run(data, isend, irecv, base, deadline, _SPIN_S)
+                if stopped is None:
+                    program.runs += 1  # counted by statistics(), not in finally
+                    return None
+                outcome, point = stopped
+                state, line = line.state(data, point), None
+            else:
+                state = program.start(data)
+                outcome = state.execute(self._transport, CHANNEL_DATA, seq, deadline, _SPIN_S)
+                if outcome == DONE:
+                    program.runs += 1
+                    state = None
+                    return None
             work = work_of(*work_args)
             if outcome == EXPIRED:
                 error = timeout_error(work, work.stages[0], schedule.ops,
@@ -448,6 +467,8 @@ class Engine:
                 self._cv.notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
+            if line is not None and state is None:  # the straight line raised
+                state = line.state(data, None)
             failure = self._inline_failed(exc, schedule, state, run, work_of, work_args)
             if failure is exc:
                 raise
@@ -471,8 +492,13 @@ class Engine:
             if len(self._programs) >= _PROGRAM_CACHE_LIMIT:  # each holds its scratch
                 self._fold_program_counts()
                 self._programs.clear()
-            cached = (schedule, Program(schedule, dtype, self._transport,
-                                        self._plan_of(schedule)))
+            program = Program(schedule, dtype, self._transport, self._plan_of(schedule))
+            if STRAIGHT_LINES and straight_safe(schedule):
+                transport = self._transport
+                program.line = StraightLine(program, straight_order(schedule),
+                                            transport.tester(), transport.raw_errors,
+                                            transport.error_of)
+            cached = (schedule, program)
             self._programs[key] = cached
         return cached[1]
 

@@ -29,7 +29,7 @@ from ..kernels import host as host_kernels
 from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
 from ..transport.base import Transport
 
-_CLOCK_EVERY = 64  # failed tests between two looks at the clock
+CLOCK_EVERY = 64  # failed tests between two looks at the clock
 
 SEND, RECV, NATIVE, LOCAL = 0, 1, 2, 3
 
@@ -146,7 +146,7 @@ class Program:
 
     __slots__ = ("schedule", "dtype", "plan", "kinds", "peers", "msgs", "actions",
                  "sends", "bytes_sent", "recvs", "bytes_received", "local_ops", "runs",
-                 "_scratch", "_args", "_run")
+                 "line", "_scratch", "_args", "_run")
 
     def __init__(self, schedule: Schedule, dtype: DType, transport: Transport,
                  schedule_plan: Plan) -> None:
@@ -175,6 +175,9 @@ class Program:
         self.bytes_received = sum(op.dst.count for op in schedule.ops
                                   if type(op) is Recv) * itemsize
         self.runs = 0
+        # The same schedule as straight Python (runtime/straight.py), set by the
+        # engine where its order is proven deadlock-free; runs prefer it.
+        self.line: Any = None
         self._scratch: dict[str, np.ndarray] | None = None
         self._args: list[Any] = []
         self._run: ProgramRun | None = None
@@ -187,20 +190,28 @@ class Program:
         """Every buffer the schedule names (for the engine, on a hand-over)."""
         return {**(self._scratch or {}), DATA: data}
 
+    def prepare(self) -> None:
+        """Make the scratch arrays and everything that refers to them, unless
+        they exist (a run that did not finish here dropped them)."""
+        if self._scratch is not None:
+            return
+        storage = self.dtype.storage
+        self._scratch = scratch = {name: np.empty(count, storage)
+                                   for name, count in self.schedule.scratch}
+        count = self.schedule.count
+        self._args = [
+            (_spec(op.dst, scratch, count),
+             None if type(op) is Scale else _spec(op.src, scratch, count))
+            if self.kinds[i] == LOCAL else _spec(_slots(op)[0], scratch, count)
+            for i, op in enumerate(self.schedule.ops)]
+        self._run = None
+        if self.line is not None:
+            self.line.bind(scratch)
+
     def start(self, data: np.ndarray) -> ProgramRun:
-        """The run over ``data`` (the caller's buffer, ``schedule.count``
-        elements), reset to the beginning."""
-        if self._scratch is None:
-            storage = self.dtype.storage
-            self._scratch = scratch = {name: np.empty(count, storage)
-                                       for name, count in self.schedule.scratch}
-            count = self.schedule.count
-            self._args = [
-                (_spec(op.dst, scratch, count),
-                 None if type(op) is Scale else _spec(op.src, scratch, count))
-                if self.kinds[i] == LOCAL else _spec(_slots(op)[0], scratch, count)
-                for i, op in enumerate(self.schedule.ops)]
-            self._run = None
+        """The dataflow run over ``data`` (the caller's buffer,
+        ``schedule.count`` elements), reset to the beginning."""
+        self.prepare()
         run = self._run
         if run is None:
             self._run = run = ProgramRun(self, self._args)
@@ -211,6 +222,18 @@ class Program:
 
 
 DONE, LATE, EXPIRED = "done", "late", "expired"
+
+
+def check_clock(since: float, deadline: float, patience: float) -> tuple[str | None, float]:
+    """A waiting loop's look at the clock, every CLOCK_EVERY failed polls:
+    (EXPIRED once ``deadline`` passed, LATE once ``patience`` seconds went by
+    since the first look ``since`` (0.0 before it), else None; ``since``)."""
+    now = time.monotonic()
+    if now > deadline:
+        return EXPIRED, since
+    if not since:
+        return None, now
+    return (LATE if now - since > patience else None), since
 
 
 class ProgramRun:
@@ -293,14 +316,10 @@ class ProgramRun:
                 k = 0
                 while not test_one(requests[k]):
                     polls += 1
-                    if polls % _CLOCK_EVERY == 0:
-                        now = time.monotonic()
-                        if now > deadline:
-                            return EXPIRED
-                        if not since:
-                            since = now
-                        elif now - since > patience:
-                            return LATE
+                    if polls % CLOCK_EVERY == 0:
+                        overdue, since = check_clock(since, deadline, patience)
+                        if overdue:
+                            return overdue
                     k += 1
                     if k == len(requests):
                         k = 0

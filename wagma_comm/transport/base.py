@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..dtypes import DType
+from ..errors import TransportError
 
 # Channels keep traffic of different purposes apart (each maps to its own
 # duplicated communicator or tag space), so a debug fingerprint can never be
@@ -66,6 +67,26 @@ class Transport(ABC):
         costs less than :meth:`test_some` over all, and a failed poll is the
         common case. Raises TransportError on a failed request."""
         return bool(self.test_some([request]))
+
+    # Exceptions the bare calls (posters, tester) may raise; error_of turns
+    # one into the TransportError the rest of the runtime expects.
+    raw_errors: tuple[type[BaseException], ...] = ()
+
+    def error_of(self, exc: BaseException) -> BaseException:
+        """The TransportError for an exception of :attr:`raw_errors`."""
+        return TransportError(f"{self.name} error: {exc}")
+
+    def tester(self) -> Callable[[list[Any]], bool]:
+        """A function ``test_all(requests) -> bool``: whether every request in
+        the list completed, for a loop that waits for one set at a time
+        (runtime/straight.py); made once, so it can be the bare transport call.
+        This default tests with :meth:`test_some` and removes the completed
+        requests from the list."""
+        def test_all(requests: list[Any]) -> bool:
+            for k in sorted(self.test_some(requests), reverse=True):
+                del requests[k]
+            return not requests
+        return test_all
 
     def native_starter(self, op: Any, dtype: DType) -> Callable[[np.ndarray], Any]:
         """A function starting the Native ``op`` on an array (its group set

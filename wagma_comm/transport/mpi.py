@@ -49,6 +49,7 @@ class MPITransport(Transport):
         self._world_group = self._comms[CHANNELS[0]].Get_group()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
         self._everyone = tuple(range(self.size))
+        self._bound: dict[str, tuple[Any, Any]] = {}  # channel -> (Isend, Irecv)
 
     @property
     def seq_window(self) -> int:
@@ -65,10 +66,14 @@ class MPITransport(Transport):
 
     def posters(self, channel: str, seq: int) -> tuple[Callable[[np.ndarray, int, int], Any],
                                                        Callable[[np.ndarray, int, int], Any], int]:
-        # The bare mpi4py calls, the tag's high bits computed once: no wrapper
-        # object per message (the small-message path, docs/benchmarks.md).
-        comm = self._comms[channel]
-        return comm.Isend, comm.Irecv, ((seq % self._window) << MSG_BITS)
+        # The bare mpi4py calls, bound once per channel, and the tag's high
+        # bits: no wrapper object per message (the small-message path,
+        # docs/benchmarks.md).
+        bound = self._bound.get(channel)
+        if bound is None:
+            comm = self._comms[channel]
+            self._bound[channel] = bound = (comm.Isend, comm.Irecv)
+        return bound[0], bound[1], (seq % self._window) << MSG_BITS
 
     def as_send(self, request: Any) -> Any:
         return request if isinstance(request, _SendRequest) else _SendRequest(request)
@@ -87,6 +92,7 @@ class MPITransport(Transport):
 
     def close_channels(self, names: Sequence[str]) -> None:
         for name in names:
+            self._bound.pop(name, None)
             comm = self._comms.pop(name, None)
             if comm is not None:
                 try:
@@ -165,20 +171,30 @@ class MPITransport(Transport):
         return lambda arr: comm.Ibcast([arr, MPI.BYTE], root=local_root)
 
     # -- progress -------------------------------------------------------------
+    raw_errors = (MPI.Exception,)
+
+    def error_of(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, MPI.Exception):
+            return TransportError(f"MPI error: {exc.Get_error_string()}", exc.Get_error_code())
+        return super().error_of(exc)
+
     def test_some(self, requests: list[Any]) -> list[int]:
         try:
             done = MPI.Request.Testsome(requests)
         except MPI.Exception as exc:
-            raise TransportError(f"MPI error: {exc.Get_error_string()}",
-                                 exc.Get_error_code()) from exc
+            raise self.error_of(exc) from exc
         return done or []
 
     def test_one(self, request: Any) -> bool:
         try:
             return request.Test()
         except MPI.Exception as exc:
-            raise TransportError(f"MPI error: {exc.Get_error_string()}",
-                                 exc.Get_error_code()) from exc
+            raise self.error_of(exc) from exc
+
+    def tester(self) -> Callable[[list[Any]], bool]:
+        # MPI_Testall completes all of the requests or none (runtime/straight.py
+        # hands the uncompleted ones over as they are).
+        return MPI.Request.Testall
 
     def abandon(self, request: Any) -> None:
         # Receives only. Cancelling a send is deprecated (MPI-4) and MPICH 5.0
@@ -210,6 +226,7 @@ class MPITransport(Transport):
                 pass
         self._groups.clear()
         self._comms.clear()
+        self._bound.clear()
         try:
             self._world_group.Free()
         except MPI.Exception:
