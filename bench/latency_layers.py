@@ -6,8 +6,10 @@ Times, side by side in alternating rounds, an 8-byte float32 sum as:
 * ``bare Iallreduce``: MPI_Iallreduce, then Test + sched_yield until done;
 * ``python loop``: recursive doubling in the leanest Python (Irecv, Isend,
   Testall + sched_yield, numba reduction) -- what any Python runtime pays;
-* ``program only``: wagma's compiled inline program (``Program.start`` +
-  ``ProgramRun.execute``) without the call's argument checks and bookkeeping;
+* ``dataflow program``: the schedule run by the general inline executor
+  (``Program.start`` + ``ProgramRun.execute``), without the call around it;
+* ``straight line``: the same schedule as the generated straight-line
+  function the call runs (runtime/straight.py), without the call around it;
 * ``wagma allreduce`` and ``wagma native``: the full public call.
 
 and prints wall time, CPU time per rank and failed polls (each followed by
@@ -17,7 +19,8 @@ rank x ranks / cores, so the CPU column says what each layer costs.
     mpiexec -n 8 .venv/bin/python bench/latency_layers.py   # bench/results/latency-layers-8.txt
 
 It reaches into the engine (``_prepared``, ``_program_of``) and counts yields
-by replacing the inline module's ``os``: a measurement, not part of the runtime.
+by replacing the inline and straight modules' ``os``: a measurement, not part of
+the runtime.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import wagma_comm
 from wagma_comm import dtypes
 from wagma_comm.bench.measure import alternating
 from wagma_comm.kernels import host as host_kernels
-from wagma_comm.runtime import inline
+from wagma_comm.runtime import inline, straight
 from wagma_comm.transport.base import CHANNEL_DATA
 
 WORLD = MPI.COMM_WORLD
@@ -50,7 +53,8 @@ def _counting_yield() -> None:
 
 
 def main() -> None:
-    inline.os = types.SimpleNamespace(sched_yield=_counting_yield)  # type: ignore[assignment]
+    counting = types.SimpleNamespace(sched_yield=_counting_yield)
+    inline.os = straight.os = counting  # type: ignore[assignment]
     comm = wagma_comm.init(timeout=120)
     buf, tmp = np.zeros(2, np.float32), np.zeros(2, np.float32)
     dtype = dtypes.from_array(buf)
@@ -77,18 +81,28 @@ def main() -> None:
     program = comm._engine._program_of(sched, dtype)
     seq = [1 << 20]  # message numbers of our own, after the real calls'
 
-    def program_only() -> None:
+    def dataflow_program() -> None:
         run = program.start(buf)
         seq[0] += 1
         outcome = run.execute(comm._transport, CHANNEL_DATA, seq[0],
                               time.monotonic() + 60, 0.02)
         assert outcome == inline.DONE, outcome
 
+    line = program.line
+    assert line is not None, "the allreduce schedule runs as a straight line"
+
+    def straight_line() -> None:
+        program.prepare()
+        seq[0] += 1
+        assert line.run(buf, comm._transport.tag_base(seq[0]), time.monotonic() + 60,
+                        0.02) is None
+
     impls: dict[str, Callable[[], object]] = {
         "MPI_Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "bare Iallreduce": bare_iallreduce,
         "python loop": python_loop,
-        "program only": program_only,
+        "dataflow program": dataflow_program,
+        "straight line": straight_line,
         "wagma allreduce": lambda: comm.allreduce(buf),
         "wagma native": lambda: comm.allreduce(buf, algorithm="native"),
     }

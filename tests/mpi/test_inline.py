@@ -252,3 +252,31 @@ def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
         engine._program_of = real
         WORLD.Barrier()
         c.close()
+
+
+def test_repeated_calls_still_check_each_buffer(comm: wagma_comm.Communicator) -> None:
+    """A call like an earlier one takes the small-message path (the work
+    settled by dtype, shape, op and algorithm is reused), but every buffer is
+    still checked: a strided or read-only array of the same shape and dtype
+    is refused before anything is sent, and other shapes keep their results."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    buf = np.full(4, RANK + 1, np.float32)
+    comm.allreduce(buf)
+    assert comm._fast, "an allreduce on a NumPy array is remembered"
+    sent = comm.statistics()["messages_sent"]
+    strided = np.full(8, RANK + 1, np.float32)[::2]
+    with pytest.raises(wagma_comm.BufferError, match="buf.*C-contiguous"):
+        comm.allreduce(strided)
+    frozen = np.full(4, RANK + 1, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(wagma_comm.BufferError, match="buf.*read-only"):
+        comm.allreduce(frozen)
+    assert comm.statistics()["messages_sent"] == sent
+    for _ in range(2):  # the first call remembers, the second takes the path
+        grid = np.full((2, 3), RANK + 1, ml_dtypes.bfloat16)
+        comm.allreduce(grid)
+        np.testing.assert_array_equal(grid.astype(np.float32),
+                                      np.full((2, 3), SIZE * (SIZE + 1) / 2, np.float32))
+        buf = np.full(4, RANK + 1, np.float32)
+        assert comm.allreduce(buf) is buf
+        np.testing.assert_array_equal(buf, _expected(4, np.float32))

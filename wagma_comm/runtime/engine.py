@@ -428,8 +428,7 @@ class Engine:
             line = program.line
             if line is not None:
                 program.prepare()
-                isend, irecv, base = self._transport.posters(CHANNEL_DATA, seq)
-                stopped = line.run(data, isend, irecv, base, deadline, _SPIN_S)
+                stopped = line.run(data, self._transport.tag_base(seq), deadline, _SPIN_S)
                 if stopped is None:
                     program.runs += 1  # counted by statistics(), not in finally
                     return None
@@ -494,10 +493,8 @@ class Engine:
                 self._programs.clear()
             program = Program(schedule, dtype, self._transport, self._plan_of(schedule))
             if STRAIGHT_LINES and straight_safe(schedule):
-                transport = self._transport
                 program.line = StraightLine(program, straight_order(schedule),
-                                            transport.tester(), transport.raw_errors,
-                                            transport.error_of)
+                                            self._transport, CHANNEL_DATA)
             cached = (schedule, program)
             self._programs[key] = cached
         return cached[1]

@@ -273,7 +273,8 @@ class ProgramRun:
         succ = program.plan[0]
         args, data, remaining, ready = self.args, self.data, self.remaining, self.ready
         requests, owners = self.requests, self.owners
-        isend, irecv, base = transport.posters(channel, seq)
+        isend, irecv = transport.posters(channel)
+        base = transport.tag_base(seq)
         test_one, test_some = transport.test_one, transport.test_some
         total = len(kinds)
         pos, completed = self.pos, self.completed

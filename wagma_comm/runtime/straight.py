@@ -10,8 +10,8 @@ kernels and buffers as constants, costs what a hand-written MPI loop costs.
 The engine uses it only for schedules whose order is proven deadlock-free
 with their peers' (``straight_safe``).
 
-The function posts each message into ``q[op]``, waits with the transport's
-bare test-all (``sched_yield`` between failed tests, the clock read every 64),
+The function posts each message into ``q[op]`` with the transport's bare
+posters, waits with its bare test-all (``sched_yield`` between failed tests, the clock read every 64),
 and returns None when done, or ``(LATE | EXPIRED, wait)`` when a wait ran out
 of patience or the deadline: :meth:`StraightLine.state` then rebuilds the
 dataflow run state at that wait, so the engine takes over with the very same
@@ -27,6 +27,7 @@ import numpy as np
 
 from ..schedule.ir import DATA, Scale, Schedule, Slot
 from ..schedule.straight import LOCAL, POST, StraightOrder
+from ..transport.base import Transport
 from .inline import CLOCK_EVERY, NATIVE, RECV, SEND, Program, ProgramRun, check_clock
 
 def wait(requests: list[Any], test_all: Callable[[list[Any]], bool], deadline: float,
@@ -49,27 +50,30 @@ def wait(requests: list[Any], test_all: Callable[[list[Any]], bool], deadline: f
 
 class StraightLine:
     """``program``'s schedule in the straight-line ``order``, compiled to one
-    function. :meth:`bind` gives it the program's scratch views (again after
-    the program made new scratch); :meth:`run` runs it over a caller's buffer."""
+    function posting on ``channel`` of ``transport``. :meth:`bind` gives it
+    the program's scratch views (again after the program made new scratch);
+    :meth:`run` runs it over a caller's buffer."""
 
-    __slots__ = ("program", "order", "source", "requests", "_fn", "_nones", "_views",
-                 "_scratch_slots", "_test_all", "_errors", "_translate")
+    __slots__ = ("program", "order", "source", "requests", "_fn", "_globals", "_nones",
+                 "_scratch_slots", "_errors", "_translate")
 
-    def __init__(self, program: Program, order: StraightOrder, test_all: Callable[..., bool],
-                 errors: tuple[type[BaseException], ...],
-                 translate: Callable[[BaseException], BaseException]) -> None:
+    def __init__(self, program: Program, order: StraightOrder, transport: Transport,
+                 channel: str) -> None:
         self.program, self.order = program, order
-        self._test_all, self._errors, self._translate = test_all, errors, translate
+        self._errors, self._translate = transport.raw_errors, transport.error_of
         self._scratch_slots: list[Slot] = []
-        constants: dict[str, Any] = {}
-        self.source = self._generate(program.schedule, constants)
-        namespace = dict(constants)
-        exec(compile(self.source, f"<straight {program.schedule.collective}>", "exec"),
-             namespace)
-        self._fn = namespace["run"]
         self._nones = [None] * len(program.schedule.ops)
         self.requests: list[Any] = list(self._nones)
-        self._views: tuple[np.ndarray, ...] = ()
+        isend, irecv = transport.posters(channel)
+        # Everything but the buffer, the tags and the deadlines is a global of
+        # the generated function: no argument to pass per call.
+        self._globals: dict[str, Any] = {
+            "q": self.requests, "s": (), "isend": isend, "irecv": irecv,
+            "test_all": transport.tester(), "wait": wait}
+        self.source = self._generate(program.schedule, self._globals)
+        exec(compile(self.source, f"<straight {program.schedule.collective}>", "exec"),
+             self._globals)
+        self._fn = self._globals["run"]
 
     def _expr(self, slot: Slot, count: int) -> str:
         if slot.buf != DATA:
@@ -81,7 +85,7 @@ class StraightLine:
 
     def _generate(self, schedule: Schedule, constants: dict[str, Any]) -> str:
         program, count = self.program, schedule.count
-        lines = ["def run(data, s, q, isend, irecv, base, test_all, wait, deadline, patience):"]
+        lines = ["def run(data, base, deadline, patience):"]
         point = 0
         for kind, what in self.order.steps:
             if kind == POST:
@@ -117,20 +121,19 @@ class StraightLine:
 
     def bind(self, scratch: dict[str, np.ndarray]) -> None:
         """Use ``scratch`` (the program's arrays by name) from now on."""
-        self._views = tuple(scratch[s.buf][s.offset:s.offset + s.count]
-                            for s in self._scratch_slots)
+        self._globals["s"] = tuple(scratch[s.buf][s.offset:s.offset + s.count]
+                                   for s in self._scratch_slots)
 
-    def run(self, data: np.ndarray, isend: Callable[..., Any], irecv: Callable[..., Any],
-            base: int, deadline: float, patience: float) -> tuple[str, int] | None:
-        """Run over ``data`` with the transport's posters of this collective
-        (``Transport.posters``): None when done, else ``(outcome, wait)``
-        with the requests left in :attr:`requests`. The transport's own errors
-        come out as its TransportError."""
-        q = self.requests
-        q[:] = self._nones
+    def run(self, data: np.ndarray, base: int, deadline: float,
+            patience: float) -> tuple[str, int] | None:
+        """Run over ``data``, the messages tagged ``base | msg``
+        (``Transport.tag_base`` of the collective's sequence number): None
+        when done, else ``(outcome, wait)`` with the requests left in
+        :attr:`requests`. The transport's own errors come out as its
+        TransportError."""
+        self.requests[:] = self._nones
         try:
-            return self._fn(data, self._views, q, isend, irecv, base, self._test_all, wait,
-                            deadline, patience)
+            return self._fn(data, base, deadline, patience)
         except self._errors as exc:
             raise self._translate(exc) from exc
 

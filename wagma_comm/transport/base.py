@@ -25,6 +25,9 @@ CHANNEL_DEBUG = "debug"
 CHANNEL_SETUP = "setup"
 CHANNELS = (CHANNEL_DATA, CHANNEL_DEBUG, CHANNEL_SETUP)
 
+MSG_BITS = 15  # messages per peer per collective: the schedule builder enforces it
+MSG_MASK = (1 << MSG_BITS) - 1
+
 
 class Transport(ABC):
     """Point-to-point and native collective calls, all non-blocking."""
@@ -50,16 +53,24 @@ class Transport(ABC):
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         """Start receiving into ``array``; returns a request."""
 
-    def posters(self, channel: str, seq: int) -> tuple[Callable[[np.ndarray, int, int], Any],
-                                                       Callable[[np.ndarray, int, int], Any], int]:
-        """``(isend, irecv, base)`` for one collective's messages on ``channel``:
-        ``isend(array, peer, base | msg)`` and ``irecv(array, peer, base | msg)``
-        start message ``msg`` of sequence number ``seq``. For a loop that posts
-        many messages (runtime/inline.py), so they can be the bare transport
-        calls. Pass what isend returns through :meth:`as_send` before any other
-        transport call sees it."""
-        return (lambda a, p, m: self.isend(a, p, channel, seq, m),
-                lambda a, p, m: self.irecv(a, p, channel, seq, m), 0)
+    def posters(self, channel: str) -> tuple[Callable[[np.ndarray, int, int], Any],
+                                             Callable[[np.ndarray, int, int], Any]]:
+        """``(isend, irecv)`` for many messages on ``channel``:
+        ``isend(array, peer, tag_base(seq) | msg)`` and ``irecv(...)`` start
+        message ``msg`` of sequence number ``seq``. Made once per channel, so
+        they can be the bare transport calls of a loop that posts many messages
+        (runtime/inline.py, runtime/straight.py). Pass what isend returns
+        through :meth:`as_send` before any other transport call sees it."""
+        def isend(array: np.ndarray, peer: int, tag: int) -> Any:
+            return self.isend(array, peer, channel, tag >> MSG_BITS, tag & MSG_MASK)
+
+        def irecv(array: np.ndarray, peer: int, tag: int) -> Any:
+            return self.irecv(array, peer, channel, tag >> MSG_BITS, tag & MSG_MASK)
+        return isend, irecv
+
+    def tag_base(self, seq: int) -> int:
+        """The tag bits of sequence number ``seq`` for :meth:`posters`."""
+        return seq << MSG_BITS
 
     def test_one(self, request: Any) -> bool:
         """Whether ``request`` completed (then it is replaced by a null request

@@ -17,9 +17,7 @@ from mpi4py import MPI
 from ..dtypes import DType
 from ..errors import TransportError
 from ..runtime.liveness import identity
-from .base import CHANNELS, Transport
-
-MSG_BITS = 15  # messages per peer per collective: the schedule builder enforces it
+from .base import CHANNELS, MSG_BITS, Transport
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -64,16 +62,18 @@ class MPITransport(Transport):
     def irecv(self, array: np.ndarray, peer: int, channel: str, seq: int, msg: int) -> Any:
         return self._comms[channel].Irecv(array, peer, self._tag(seq, msg))
 
-    def posters(self, channel: str, seq: int) -> tuple[Callable[[np.ndarray, int, int], Any],
-                                                       Callable[[np.ndarray, int, int], Any], int]:
-        # The bare mpi4py calls, bound once per channel, and the tag's high
-        # bits: no wrapper object per message (the small-message path,
-        # docs/benchmarks.md).
+    def posters(self, channel: str) -> tuple[Callable[[np.ndarray, int, int], Any],
+                                             Callable[[np.ndarray, int, int], Any]]:
+        # The bare mpi4py calls, bound once per channel: no wrapper object per
+        # message (the small-message path, docs/benchmarks.md).
         bound = self._bound.get(channel)
         if bound is None:
             comm = self._comms[channel]
             self._bound[channel] = bound = (comm.Isend, comm.Irecv)
-        return bound[0], bound[1], (seq % self._window) << MSG_BITS
+        return bound
+
+    def tag_base(self, seq: int) -> int:
+        return (seq % self._window) << MSG_BITS
 
     def as_send(self, request: Any) -> Any:
         return request if isinstance(request, _SendRequest) else _SendRequest(request)
