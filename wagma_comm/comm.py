@@ -28,7 +28,7 @@ from .errors import (
     UnsupportedError,
 )
 from .runtime import debug
-from .runtime.engine import Engine, Stage, Work
+from .runtime.engine import NOT_INLINE, Engine, Stage, Work
 from .runtime.handle import Handle
 from .runtime.liveness import Liveness, Monitor
 from .schedule import algorithms
@@ -545,25 +545,23 @@ class Communicator:
             natives = self._native_ranks(sched)
             # A small blocking call with nothing else in flight runs right here
             # (Engine.run_inline), when it needs no stage before its own (a
-            # debug fingerprint, a group's set-up). The claim is taken under
-            # the submission lock and run_inline releases it whatever happens,
-            # so nothing may come between them: other threads' submissions
-            # wait for at most the inline run's patience (20 ms) before it
-            # hands over to the engine.
-            inline = (not async_op and data.nbytes <= INLINE_MAX_BYTES
-                      and not (self._debug and self.size > 1)
-                      and (not natives or all(self._transport.has_group(r) for r in natives))
-                      and self._engine.try_inline())
-            if inline:
-                late = self._engine.run_inline(
-                    sched, dt, data, seq, now + timeout, self._inline_work,
-                    (collective, sched, dt, data, on_done, seq, now, timeout, value, buffer))
-            else:
+            # debug fingerprint, a group's set-up). It runs under the
+            # submission lock: other threads' submissions wait for at most
+            # the inline run's patience (20 ms) before it hands over to the
+            # engine.
+            late = (self._engine.run_inline(
+                sched, dt, data, seq, now + timeout, self._inline_work,
+                (collective, sched, dt, data, on_done, seq, now, timeout, value, buffer))
+                if (not async_op and data.nbytes <= INLINE_MAX_BYTES
+                    and not (self._debug and self.size > 1)
+                    and (not natives or all(self._transport.has_group(r) for r in natives)))
+                else NOT_INLINE)
+            if late is NOT_INLINE:
                 work = self._enqueue(collective, text, sched, data, dt, seq, now, timeout,
                                      async_op, value, buffer, on_done, natives)
-        if inline:
+        if late is not NOT_INLINE:
             if late is not None:  # handed to the engine, which runs on_done
-                return late.wait()
+                return late.wait()  # type: ignore[union-attr]
             if on_done is not None:
                 on_done()
             return value
@@ -583,17 +581,17 @@ class Communicator:
             self._calls["allreduce"] += 1
             now = time.monotonic()
             timeout = self._timeout
-            inline = engine.try_inline()
-            if inline:
-                late = engine.run_inline(
-                    sched, dt, data, seq, now + timeout, self._inline_work,
-                    ("allreduce", sched, dt, data, None, seq, now, timeout, value, data))
-            else:
+            late = engine.run_inline(
+                sched, dt, data, seq, now + timeout, self._inline_work,
+                ("allreduce", sched, dt, data, None, seq, now, timeout, value, data))
+            if late is NOT_INLINE:
                 work = self._enqueue("allreduce", fast.text, sched, data, dt, seq, now,
                                      timeout, False, value, data, None,
                                      self._native_ranks(sched))
-        if inline:
-            return value if late is None else late.wait()
+        if late is None:
+            return value
+        if late is not NOT_INLINE:
+            return late.wait()  # type: ignore[union-attr]
         return work.handle.wait()
 
     def _enqueue(self, collective: str, text: str, sched: Schedule, data: np.ndarray,

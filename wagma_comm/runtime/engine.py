@@ -50,6 +50,8 @@ _MAX_SLEEP_S = 1e-3
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
 
+NOT_INLINE = object()  # what run_inline returns when the engine was not idle
+
 # Inline runs use a schedule's straight-line form where it is proven safe
 # (runtime/straight.py); False keeps every run on the dataflow executor (A/B
 # measurements, tests of that executor).
@@ -392,33 +394,29 @@ class Engine:
                         self._cv.notify()  # work remains in flight: the thread resumes
 
     # -- inline runs: small blocking collectives -------------------------------
-    def try_inline(self) -> bool:
-        """Claim the engine for :meth:`run_inline`. True only if nothing else is
-        queued or in flight; the caller then holds the driver lock and must call
-        run_inline next. Call it under the communicator's submission lock, so no
-        later collective can start first."""
+    def run_inline(self, schedule: Schedule, dtype: DType, data: np.ndarray, seq: int,
+                   deadline: float, work_of: Callable[..., Work],
+                   work_args: tuple[Any, ...]) -> Handle | None | object:
+        """Run a collective (``schedule`` over ``data`` on the data channel)
+        on the calling thread, as its :class:`Program`, if the engine is idle:
+        nothing queued, in flight or registered. Returns NOT_INLINE (having
+        done nothing) if it is not; None when the run finished here; or the
+        Handle of the Work (``work_of(*work_args)``: one stage, that
+        schedule; made only then) it handed to the engine because a peer was
+        late. Raises the collective's error (a timeout breaks the engine, as
+        in the engine itself). Call it under the communicator's submission
+        lock, so no later collective can start first; it holds the driver
+        lock while it runs and releases it whatever happens."""
         if not self._driver.acquire(blocking=False):
-            return False
+            return NOT_INLINE
         # Read without _cv: submissions append under the communicator's lock
         # (held by our caller) and the progress thread's under _driver (ours
         # now); a service added meanwhile just waits for the release.
-        idle = not (self._incoming or self._waiting or self._active or self._services
-                    or self._requests or self._closing or self._stopped
-                    or self.broken is not None)
-        if not idle:
+        if (self._incoming or self._waiting or self._active or self._services
+                or self._requests or self._closing or self._stopped
+                or self.broken is not None):
             self._driver.release()
-        return idle
-
-    def run_inline(self, schedule: Schedule, dtype: DType, data: np.ndarray, seq: int,
-                   deadline: float, work_of: Callable[..., Work],
-                   work_args: tuple[Any, ...]) -> Handle | None:
-        """Run a claimed collective (``schedule`` over ``data`` on the data
-        channel) on the calling thread, as its :class:`Program`. Returns None
-        when it finished here, or the Handle of the Work
-        (``work_of(*work_args)``: one stage, that schedule; made only then)
-        it handed to the engine because a peer was late; raises the
-        collective's error (a timeout breaks the engine, as in the engine
-        itself). Releases the claim, whatever happens."""
+            return NOT_INLINE
         state: ProgramRun | None = None
         run: _Run | None = None
         line: StraightLine | None = None

@@ -10,7 +10,7 @@ binds the caller's buffer and runs the same dataflow (post what is ready, test
 all outstanding requests with one transport call, yield the CPU between
 tests), and stops early when a peer is late, so the engine can take the rest
 over with the very same requests (:class:`ProgramRun`). The engine stays the
-only issuer: see ``Engine.try_inline``.
+only issuer: see ``Engine.run_inline``.
 
 The local ops (reduce, copy, scale) live here too; the engine runs them the
 same way.
@@ -140,7 +140,7 @@ class Program:
     depend on the caller's buffer is made once: op kinds, peers, message
     numbers, kernels, the scratch arrays and their views, and the run state,
     reset in place. Only one inline run is under way at a time
-    (Engine.try_inline). :meth:`drop_scratch` when a run did not finish here
+    (Engine.run_inline). :meth:`drop_scratch` when a run did not finish here
     (handed over or failed): MPI or the engine may still use the old arrays.
     ``runs`` counts the runs finished here, for the engine's statistics."""
 
