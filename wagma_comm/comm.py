@@ -274,7 +274,7 @@ class Communicator:
         self._check_open()
         deadline_s = self._call_timeout(timeout)
         sched = algorithms.compile_barrier(self.rank, tuple(range(self.size)))
-        token = np.zeros(0, dtype=np.uint8)  # zero-byte messages: data holds schedule.count (0) elements
+        token = np.zeros(0, dtype=np.uint8)  # as many elements as schedule.count: 0
         self._submit("barrier", "barrier()", sched, token, deadline_s, False,
                      dtype=UINT8, result=None)
 
@@ -333,7 +333,7 @@ class Communicator:
         self._check_open()
         deadline_s = self._call_timeout(timeout)
         sched = algorithms.compile_barrier(self.rank, tuple(range(self.size)))
-        token = np.zeros(0, dtype=np.uint8)  # zero-byte messages: data holds schedule.count (0) elements
+        token = np.zeros(0, dtype=np.uint8)  # as many elements as schedule.count: 0
         with self._lock:
             self._check_open()
             seq = self._seq
@@ -498,13 +498,12 @@ class Communicator:
         """Let later allreduce calls on NumPy arrays like ``buf`` take the
         small-message path: only calls that run inline when the engine is idle
         (debug fingerprints and group set-up need the full path)."""
-        if (type(buf) is not np.ndarray or buffer.nbytes > INLINE_MAX_BYTES or self._debug
-                or not all(self._transport.has_group(r) for r in self._native_ranks(sched))):
+        if type(buf) is not np.ndarray or not self._may_run_inline(
+                buffer.nbytes, self._native_ranks(sched)):
             return
         if len(self._fast) >= _PREPARED_LIMIT:
             self._fast.clear()
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
-        self._calls.setdefault("allreduce", 0)  # _submit_small counts without asking
         self._fast[(buf.dtype, buf.shape, op, algorithm)] = _FastCall(sched, text,
                                                                       buffer.dtype, flat)
 
@@ -552,9 +551,7 @@ class Communicator:
             late = (self._engine.run_inline(
                 sched, dt, data, seq, now + timeout, self._inline_work,
                 (collective, sched, dt, data, on_done, seq, now, timeout, value, buffer))
-                if (not async_op and data.nbytes <= INLINE_MAX_BYTES
-                    and not (self._debug and self.size > 1)
-                    and (not natives or all(self._transport.has_group(r) for r in natives)))
+                if not async_op and self._may_run_inline(data.nbytes, natives)
                 else NOT_INLINE)
             if late is NOT_INLINE:
                 work = self._enqueue(collective, text, sched, data, dt, seq, now, timeout,
@@ -567,6 +564,13 @@ class Communicator:
             return value
         return work.handle if async_op else work.handle.wait()
 
+    def _may_run_inline(self, nbytes: int, natives: tuple[tuple[int, ...], ...]) -> bool:
+        """Whether a blocking collective of ``nbytes`` whose native ops use
+        the groups ``natives`` may run inline: small, and no stage before its
+        own (a debug fingerprint, a group's set-up)."""
+        return (nbytes <= INLINE_MAX_BYTES and not (self._debug and self.size > 1)
+                and all(self._transport.has_group(r) for r in natives))
+
     def _submit_small(self, fast: _FastCall, data: np.ndarray, value: Any) -> Any:
         """:meth:`_submit` of a blocking allreduce ``fast`` says may run inline,
         with the communicator's default timeout: the same steps, minus what
@@ -578,7 +582,7 @@ class Communicator:
                 self._check_open()
             seq = self._seq
             self._seq += 1
-            self._calls["allreduce"] += 1
+            self._calls["allreduce"] = self._calls.get("allreduce", 0) + 1
             now = time.monotonic()
             timeout = self._timeout
             late = engine.run_inline(

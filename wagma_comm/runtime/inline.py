@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from ..dtypes import DType
 from ..kernels import host as host_kernels
 from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
 from ..transport.base import Transport
+
+if TYPE_CHECKING:  # runtime/straight.py builds on this module
+    from .straight import StraightLine
 
 CLOCK_EVERY = 64  # failed tests between two looks at the clock
 
@@ -177,7 +180,7 @@ class Program:
         self.runs = 0
         # The same schedule as straight Python (runtime/straight.py), set by the
         # engine where its order is proven deadlock-free; runs prefer it.
-        self.line: Any = None
+        self.line: StraightLine | None = None
         self._scratch: dict[str, np.ndarray] | None = None
         self._args: list[Any] = []
         self._run: ProgramRun | None = None

@@ -28,7 +28,7 @@ import numpy as np
 from ..schedule.ir import DATA, Scale, Schedule, Slot
 from ..schedule.straight import LOCAL, POST, StraightOrder
 from ..transport.base import Transport
-from .inline import CLOCK_EVERY, NATIVE, RECV, SEND, Program, ProgramRun, check_clock
+from .inline import CLOCK_EVERY, NATIVE, RECV, SEND, Program, ProgramRun, check_clock, view
 
 def wait(requests: list[Any], test_all: Callable[[list[Any]], bool], deadline: float,
          patience: float) -> str | None:
@@ -121,8 +121,7 @@ class StraightLine:
 
     def bind(self, scratch: dict[str, np.ndarray]) -> None:
         """Use ``scratch`` (the program's arrays by name) from now on."""
-        self._globals["s"] = tuple(scratch[s.buf][s.offset:s.offset + s.count]
-                                   for s in self._scratch_slots)
+        self._globals["s"] = tuple(view(scratch, slot) for slot in self._scratch_slots)
 
     def run(self, data: np.ndarray, base: int, deadline: float,
             patience: float) -> tuple[str, int] | None:

@@ -143,23 +143,19 @@ def check_straight(schedules: Mapping[int, Schedule]) -> None:
                 f"rank {r} waits for ops {list(stuck[r])}" for r in some))  # type: ignore[call-overload]
 
 
+@lru_cache(maxsize=256)
 def straight_safe(schedule: Schedule) -> bool:
     """Whether ``schedule``'s straight-line order is proven deadlock-free with
     its peers' (compiled here, as the same compiler makes them). False for a
-    schedule the compiler cannot reproduce (then run it as a dataflow graph)."""
-    return _safe(schedule.collective, schedule.ranks, schedule.count, schedule.op,
-                 schedule.root, schedule.algorithm, schedule.rank, schedule)
-
-
-@lru_cache(maxsize=256)
-def _safe(collective: str, ranks: tuple[int, ...], count: int, op: str, root: int,
-          algorithm: str, rank: int, schedule: Schedule) -> bool:
-    if collective not in ("allreduce", "broadcast", "barrier"):
+    schedule the compiler cannot reproduce (then run it as a dataflow graph).
+    Cached: the engine asks once per program it makes."""
+    if schedule.collective not in ("allreduce", "broadcast", "barrier"):
         return False
     try:
-        members = dict(zip(ranks, compile_group(collective, ranks, count, op, root,
-                                                algorithm)))
-        if members.get(rank) != schedule:
+        members = dict(zip(schedule.ranks, compile_group(
+            schedule.collective, schedule.ranks, schedule.count, schedule.op,
+            schedule.root, schedule.algorithm)))
+        if members.get(schedule.rank) != schedule:
             return False
         check_straight(members)
     except WagmaError:  # not the compiler's, or a deadlock
