@@ -18,7 +18,7 @@ rank x ranks / cores, so the CPU column says what each layer costs.
 
     mpiexec -n 8 .venv/bin/python bench/latency_layers.py   # bench/results/latency-layers-8.txt
 
-It reaches into the engine (``_prepared``, ``_program_of``) and counts yields
+It reaches into the engine (``_prepared``, ``program``) and counts yields
 by replacing the inline and straight modules' ``os``: a measurement, not part of
 the runtime.
 """
@@ -78,7 +78,7 @@ def main() -> None:
 
     comm.allreduce(buf)  # compiles the call; its program is then cached
     sched, _ = next(iter(comm._prepared.values()))
-    program = comm._engine._program_of(sched, dtype)
+    program = comm._engine.program(sched, dtype)
     seq = [1 << 20]  # message numbers of our own, after the real calls'
 
     def dataflow_program() -> None:

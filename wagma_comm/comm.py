@@ -30,6 +30,7 @@ from .errors import (
 from .runtime import debug
 from .runtime.engine import NOT_INLINE, Engine, Stage, Work
 from .runtime.handle import Handle
+from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
 from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
@@ -114,11 +115,19 @@ class _FastCall:
     """What an allreduce on NumPy arrays of one dtype and shape, with one op
     and algorithm, compiles to (``Communicator._remember_fast``)."""
 
-    __slots__ = ("sched", "text", "dtype", "flat")
+    __slots__ = ("sched", "text", "dtype", "flat", "program", "generation")
 
-    def __init__(self, sched: Schedule, text: str, dtype: DType, flat: bool) -> None:
+    def __init__(self, sched: Schedule, text: str, dtype: DType, flat: bool,
+                 engine: Engine) -> None:
         self.sched, self.text, self.dtype = sched, text, dtype
         self.flat = flat  # the array itself is the flat view of its storage dtype
+        self.refresh(engine)
+
+    def refresh(self, engine: Engine) -> Program:
+        """The engine's program for this call (again, after it forgot them)."""
+        self.generation = engine.generation
+        self.program = engine.program(self.sched, self.dtype)
+        return self.program
 
 
 class Communicator:
@@ -149,6 +158,7 @@ class Communicator:
         self._gpu_lock = threading.Lock()
         self._closed = False
         self._calls: dict[str, int] = {}
+        self._small_calls = 0  # allreduce calls of the small-call path, not in _calls
         self._partials = 0
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()  # for the exit report
         global _EXIT_HOOK
@@ -436,7 +446,10 @@ class Communicator:
         """Counters of the engine (messages, bytes, completed/failed collectives)
         and calls per collective."""
         stats: dict[str, Any] = self._engine.statistics()
-        stats["calls"] = dict(self._calls)
+        calls = dict(self._calls)
+        if self._small_calls:
+            calls["allreduce"] = calls.get("allreduce", 0) + self._small_calls
+        stats["calls"] = calls
         stats["broken"] = None if self._engine.broken is None else str(self._engine.broken)
         if self._gpu is not None:
             stats.update(self._gpu.stats)
@@ -504,8 +517,8 @@ class Communicator:
         if len(self._fast) >= _PREPARED_LIMIT:
             self._fast.clear()
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
-        self._fast[(buf.dtype, buf.shape, op, algorithm)] = _FastCall(sched, text,
-                                                                      buffer.dtype, flat)
+        self._fast[(buf.dtype, buf.shape, op, algorithm)] = _FastCall(
+            sched, text, buffer.dtype, flat, self._engine)
 
     def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
                         op: str, algorithm: Any, extra: str) -> tuple[Schedule, str]:
@@ -549,7 +562,7 @@ class Communicator:
             # the inline run's patience (20 ms) before it hands over to the
             # engine.
             late = (self._engine.run_inline(
-                sched, dt, data, seq, now + timeout, self._inline_work,
+                self._engine.program(sched, dt), data, seq, now + timeout, self._inline_work,
                 (collective, sched, dt, data, on_done, seq, now, timeout, value, buffer))
                 if not async_op and self._may_run_inline(data.nbytes, natives)
                 else NOT_INLINE)
@@ -575,23 +588,25 @@ class Communicator:
         """:meth:`_submit` of a blocking allreduce ``fast`` says may run inline,
         with the communicator's default timeout: the same steps, minus what
         ``fast`` settled when it was made (dtype, size, debug, native groups)."""
-        sched, dt = fast.sched, fast.dtype
         engine = self._engine
         with self._lock:
             if self._closed or engine.broken is not None:
                 self._check_open()
             seq = self._seq
-            self._seq += 1
-            self._calls["allreduce"] = self._calls.get("allreduce", 0) + 1
+            self._seq = seq + 1
+            self._small_calls += 1
             now = time.monotonic()
             timeout = self._timeout
+            program = (fast.program if fast.generation == engine.generation
+                       else fast.refresh(engine))
             late = engine.run_inline(
-                sched, dt, data, seq, now + timeout, self._inline_work,
-                ("allreduce", sched, dt, data, None, seq, now, timeout, value, data))
+                program, data, seq, now + timeout, self._inline_work,
+                ("allreduce", fast.sched, fast.dtype, data, None, seq, now, timeout, value,
+                 data))
             if late is NOT_INLINE:
-                work = self._enqueue("allreduce", fast.text, sched, data, dt, seq, now,
-                                     timeout, False, value, data, None,
-                                     self._native_ranks(sched))
+                work = self._enqueue("allreduce", fast.text, fast.sched, data, fast.dtype,
+                                     seq, now, timeout, False, value, data, None,
+                                     self._native_ranks(fast.sched))
         if late is None:
             return value
         if late is not NOT_INLINE:

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm.comm import INLINE_MAX_BYTES
+from wagma_comm.runtime import inline as inline_mod
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -232,24 +233,24 @@ def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
     lock is released and, nothing having been sent, the next call works."""
     c = wagma_comm.init(timeout=20)
     engine = c._engine
-    real = engine._program_of
+    real = inline_mod.Program.prepare
 
-    def interrupted(*args: object) -> object:
-        engine._program_of = real
+    def interrupted(self: inline_mod.Program) -> None:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
         raise KeyboardInterrupt
 
     try:
         c.barrier()
-        engine._program_of = interrupted
+        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
-            c.allreduce(np.ones(3, np.float32))
+            c.allreduce(np.ones(3, np.float32))  # a new program: prepared in the run
         assert not engine._driver.locked()
         assert c.statistics()["broken"] is None
         buf = np.full(3, RANK + 1, np.float32)
         c.allreduce(buf)
         np.testing.assert_array_equal(buf, _expected(3, np.float32))
     finally:
-        engine._program_of = real
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
         WORLD.Barrier()
         c.close()
 

@@ -145,6 +145,44 @@ def test_wagma_published_model_is_fresh_in_a_round_a_peer_starts(
 
 
 @pytest.mark.parametrize("scope", SCOPES)
+def test_wagma_activation_routes_reach_every_member(comm: Communicator, scope: str) -> None:
+    """Only rank 0 steps while the others wait: each of its rounds over the
+    group of all ranks needs every member's progress thread, so each member
+    must have learnt of it. Per-group activation is one flat hop (rank 0 sends
+    every token, nobody forwards); global activation is the reference's
+    binomial tree (SIZE - 1 tokens per round in all)."""
+    if SIZE == 1:
+        pytest.skip("needs members to activate")
+    steps = 4
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), SIZE, sync_every=steps + 2,
+                                           activation=scope, normalization="mean")
+    if RANK == 0:
+        for _ in range(steps):
+            model = np.full(3, 1.0)
+            info = w.step(model)
+            assert info.fresh == (0,)
+            assert np.all(model == 1.0 / SIZE)  # the others' initial zeros
+    WORLD.Barrier()
+    stats = w.statistics()
+    sent = _gather(stats["tokens_sent"])
+    received = _gather(stats["tokens_received"])
+    assert sum(sent) == sum(received)
+    assert all(received[r] >= steps for r in range(1, SIZE))
+    if scope == "group":
+        assert sent == [steps * (SIZE - 1)] + [0] * (SIZE - 1)
+        assert received == [0] + [steps] * (SIZE - 1)
+    else:
+        assert sent[0] == steps * (SIZE - 1).bit_length()  # one per dimension
+        if SIZE & (SIZE - 1) == 0:  # a hypercube: no token wraps around
+            assert sum(sent) == steps * (SIZE - 1)
+    if RANK != 0:
+        for t in range(steps):
+            assert w.step(np.zeros(3)).staleness == steps - t
+    w.flush()
+    w.close()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
         comm: Communicator, scope: str, dtype: str) -> None:

@@ -88,3 +88,11 @@ def test_sync_rounds_and_group_steps() -> None:
              if not activation.is_sync_round(r, 4)]
     assert steps == list(range(9))  # no group step is skipped by a sync round
     assert all(activation.is_sync_round(r, 1) for r in range(5))
+
+
+@pytest.mark.parametrize("n", range(1, activation.FLAT_MAX + 1))
+def test_flat_activation_tells_every_other_member_once(n: int) -> None:
+    for me in range(n):
+        targets = activation.flat_targets(me, n)
+        assert sorted(targets) == [m for m in range(n) if m != me]
+        assert targets == sorted(targets, key=lambda m: (m - me) % n)  # nearest first

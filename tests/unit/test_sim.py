@@ -707,6 +707,21 @@ def test_token_hops_are_the_popcount_of_the_offset(n: int) -> None:
             assert arrival[(root + g) % n] == pytest.approx(1.0 + popcount(g) * L, rel=TIGHT)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 16])
+def test_flat_tokens_leave_the_root_one_port_time_apart(n: int) -> None:
+    """The per-group flat broadcast: one hop to everyone, the root sends all
+    n - 1 tokens (activation.flat_targets' order), the k-th after k port times."""
+    L, o = 3e-6, 1e-6
+    c = CostModel(L, L, math.inf, math.inf, 0.0, 0.0, o, 0.0, 2)
+    for root in range(n):
+        members = np.arange(n) * 3 + 1
+        arrival, sent = token_arrivals(members, root, 1.0, c, flat=True)
+        assert sent.tolist() == [n - 1 if m == root else 0 for m in range(n)]
+        assert arrival[root] == 1.0
+        for k, m in enumerate(activation.flat_targets(root, n), start=1):
+            assert arrival[m] == pytest.approx(1.0 + k * o + L + o, rel=TIGHT)
+
+
 @pytest.mark.parametrize("n", range(2, 18))
 def test_token_tree_is_activation_forward(n: int) -> None:
     """The tree token_arrivals times is forward's routing less the tokens that

@@ -576,10 +576,18 @@ class PartialCollective:
         if n <= 1:
             return
         me = scope.index(self.rank)
-        came = -1 if sender is None else activation.incoming_dimension(
-            me, scope.index(sender), n)
-        threshold = self._thresholds.get(r, activation.no_tokens_sent(n))
-        targets, self._thresholds[r] = activation.forward(me, n, came, threshold)
+        if self._flat_tokens(n):  # one hop to everyone: a sender told them all
+            if r in self._thresholds:
+                return
+            self._thresholds[r] = -1
+            if sender is not None:
+                return
+            targets = activation.flat_targets(me, n)
+        else:
+            came = -1 if sender is None else activation.incoming_dimension(
+                me, scope.index(sender), n)
+            threshold = self._thresholds.get(r, activation.no_tokens_sent(n))
+            targets, self._thresholds[r] = activation.forward(me, n, came, threshold)
         root = self._roots.get(r, self.rank)
         for k in targets:
             token = np.array([self._id, r, root, self.rank], dtype=np.int64)
@@ -612,6 +620,11 @@ class PartialCollective:
     def _activates(self, t: int) -> bool:
         """Whether this rank's arrival at round ``t`` activates it."""
         return True
+
+    def _flat_tokens(self, n: int) -> bool:
+        """Whether a round's activation over ``n`` members is one flat
+        broadcast rather than the reference's binomial tree."""
+        return False
 
     def _waiting_for(self, t: int) -> list[int]:
         return []

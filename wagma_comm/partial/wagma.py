@@ -29,7 +29,7 @@ import numpy as np
 from .. import groups as groups_mod
 from ..errors import InvalidArgumentError
 from ..kernels import host as host_kernels
-from ..runtime.activation import group_step
+from ..runtime.activation import FLAT_MAX, group_step
 from .base import PartialCollective, Result, _Call
 
 ACTIVATION_SCOPES = ("global", "group")
@@ -83,6 +83,9 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         if self.activation == "group":
             return self._members(r)
         return tuple(range(self.size))
+
+    def _flat_tokens(self, n: int) -> bool:
+        return self.activation == "group" and n <= FLAT_MAX
 
     # -- what ----------------------------------------------------------------
     def _contribute(self, data: np.ndarray, t: int) -> None:

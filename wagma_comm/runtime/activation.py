@@ -21,11 +21,25 @@ work for any number of members ``n`` and for several activators at once:
   along every dimension above each one it received from, and each activator's
   binomial tree is covered: every member is reached. A member sends at most
   ``ceil(log2 n)`` tokens per round.
+
+A per-group activation (WAGMA's ``activation="group"``) over at most
+``FLAT_MAX`` members is flat instead: the activator sends a token to every
+other member and receivers forward nothing. A small group's round waits for
+its last member to learn of it, and on a loaded host every hop costs a
+scheduler wake-up: one hop beats ``ceil(log2 n)`` (docs/partial.md).
 """
 
 from __future__ import annotations
 
 from .._splitmix import splitmix64
+
+
+FLAT_MAX = 16  # largest per-group scope activated by a flat broadcast
+
+
+def flat_targets(me: int, n: int) -> list[int]:
+    """Whom a flat activation by member ``me`` of ``n`` tells: everyone else."""
+    return [(me + k) % n for k in range(1, n)]
 
 
 def dimensions(n: int) -> int:

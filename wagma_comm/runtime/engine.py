@@ -47,6 +47,12 @@ from .watch import Watch, timeout_error
 # rank waiting on a straggler does not burn a core the others need.
 _SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
 _MAX_SLEEP_S = 1e-3
+# With no collective in flight, only listeners (a partial collective waiting
+# for a round's token), the thread spins this long: a long spin there holds
+# the GIL against the application thread of its own process (a 1 ms hand-off
+# per step measured on 2 cores, docs/partial.md) to catch a token that comes
+# once per iteration anyway.
+_LISTEN_SPIN_S = float(os.environ.get("WAGMA_LISTEN_SPIN_US", "200")) * 1e-6
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
 
@@ -165,6 +171,8 @@ class Engine:
         self._owners: list[tuple[_Run, int]] = []
         self._plans: dict[int, tuple[Schedule, Any]] = {}
         self._programs: dict[tuple[int, str], tuple[Schedule, Program]] = {}
+        self.generation = 0  # bumped when the programs above are forgotten
+        self._tag_base = transport.tag_base
         self._pool = ScratchPool()
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
@@ -323,7 +331,8 @@ class Engine:
                 progressed = self._turn()
             if progressed:
                 idle_since, sleep_s = time.monotonic(), 0.0
-            elif time.monotonic() - idle_since < _SPIN_S:
+            elif time.monotonic() - idle_since < (
+                    _SPIN_S if self._active or self._waiting else _LISTEN_SPIN_S):
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
@@ -394,11 +403,11 @@ class Engine:
                         self._cv.notify()  # work remains in flight: the thread resumes
 
     # -- inline runs: small blocking collectives -------------------------------
-    def run_inline(self, schedule: Schedule, dtype: DType, data: np.ndarray, seq: int,
+    def run_inline(self, program: Program, data: np.ndarray, seq: int,
                    deadline: float, work_of: Callable[..., Work],
                    work_args: tuple[Any, ...]) -> Handle | None | object:
-        """Run a collective (``schedule`` over ``data`` on the data channel)
-        on the calling thread, as its :class:`Program`, if the engine is idle:
+        """Run a collective (``program``, from :meth:`program`, over ``data``
+        on the data channel) on the calling thread if the engine is idle:
         nothing queued, in flight or registered. Returns NOT_INLINE (having
         done nothing) if it is not; None when the run finished here; or the
         Handle of the Work (``work_of(*work_args)``: one stage, that
@@ -421,12 +430,13 @@ class Engine:
         run: _Run | None = None
         line: StraightLine | None = None
         self._inline_runs += 1
+        schedule = program.schedule
         try:
-            program = self._program_of(schedule, dtype)
             line = program.line
             if line is not None:
-                program.prepare()
-                stopped = line.run(data, self._transport.tag_base(seq), deadline, _SPIN_S)
+                if program.scratch is None:
+                    program.prepare()
+                stopped = line.run(data, self._tag_base(seq), deadline, _SPIN_S)
                 if stopped is None:
                     program.runs += 1  # counted by statistics(), not in finally
                     return None
@@ -482,13 +492,17 @@ class Engine:
             self._inline_runs -= 1
             self._driver.release()
 
-    def _program_of(self, schedule: Schedule, dtype: DType) -> Program:
+    def program(self, schedule: Schedule, dtype: DType) -> Program:
+        """The inline form of ``schedule`` over ``dtype`` (made once and
+        cached). A caller may keep it while :attr:`generation` is unchanged;
+        afterwards the engine no longer counts its runs."""
         key = (id(schedule), dtype.name)
         cached = self._programs.get(key)
         if cached is None or cached[0] is not schedule:
             if len(self._programs) >= _PROGRAM_CACHE_LIMIT:  # each holds its scratch
                 self._fold_program_counts()
                 self._programs.clear()
+                self.generation += 1
             program = Program(schedule, dtype, self._transport, self._plan_of(schedule))
             if STRAIGHT_LINES and straight_safe(schedule):
                 program.line = StraightLine(program, straight_order(schedule),

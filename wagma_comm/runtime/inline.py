@@ -149,7 +149,7 @@ class Program:
 
     __slots__ = ("schedule", "dtype", "plan", "kinds", "peers", "msgs", "actions",
                  "sends", "bytes_sent", "recvs", "bytes_received", "local_ops", "runs",
-                 "line", "_scratch", "_args", "_run")
+                 "line", "scratch", "_args", "_run")
 
     def __init__(self, schedule: Schedule, dtype: DType, transport: Transport,
                  schedule_plan: Plan) -> None:
@@ -181,25 +181,26 @@ class Program:
         # The same schedule as straight Python (runtime/straight.py), set by the
         # engine where its order is proven deadlock-free; runs prefer it.
         self.line: StraightLine | None = None
-        self._scratch: dict[str, np.ndarray] | None = None
+        # None until prepare(): callers on the hot path test it themselves.
+        self.scratch: dict[str, np.ndarray] | None = None
         self._args: list[Any] = []
         self._run: ProgramRun | None = None
 
     def drop_scratch(self) -> None:
-        self._scratch = None
+        self.scratch = None
         self._run = None
 
     def arrays(self, data: np.ndarray) -> dict[str, np.ndarray]:
         """Every buffer the schedule names (for the engine, on a hand-over)."""
-        return {**(self._scratch or {}), DATA: data}
+        return {**(self.scratch or {}), DATA: data}
 
     def prepare(self) -> None:
         """Make the scratch arrays and everything that refers to them, unless
         they exist (a run that did not finish here dropped them)."""
-        if self._scratch is not None:
+        if self.scratch is not None:
             return
         storage = self.dtype.storage
-        self._scratch = scratch = {name: np.empty(count, storage)
+        self.scratch = scratch = {name: np.empty(count, storage)
                                    for name, count in self.schedule.scratch}
         count = self.schedule.count
         self._args = [

@@ -81,10 +81,14 @@ class AllToAllTiming:
         return np.maximum(received, last_send)
 
 
-def token_arrivals(members: np.ndarray, root: int, t0: float,
-                   cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+def token_arrivals(members: np.ndarray, root: int, t0: float, cost: CostModel,
+                   flat: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """When the activation started by member position ``root`` at ``t0`` reaches
     each member, and how many tokens each member sends.
+
+    ``flat``: the per-group flat broadcast (``activation.flat_targets``): the
+    root's k-th token, to member ``root + k``, leaves ``k`` port times after
+    ``t0``.
 
     The tree of ``activation.forward``: the activator sends along dimensions
     0, 1, 2, ... in turn; a member reached along dimension d forwards along
@@ -95,11 +99,23 @@ def token_arrivals(members: np.ndarray, root: int, t0: float,
     n = len(members)
     arrival = np.full(n, np.inf)
     sent = np.zeros(n, dtype=np.int64)
+    c = cost
+    if flat:
+        order = (root + np.arange(n)) % n
+        a = np.full(n - 1, members[root])
+        b = members[order[1:]]
+        same = c.same_node(a, b)
+        port = c.op_overhead_s + TOKEN_BYTES / np.where(same, c.bandwidth_intra,
+                                                        c.bandwidth_inter)
+        lat = np.where(same, c.latency_intra_s, c.latency_inter_s)
+        arrival[order[0]] = t0
+        arrival[order[1:]] = t0 + np.cumsum(port) + lat + c.op_overhead_s
+        sent[root] = n - 1
+        return arrival, sent
     offsets_time = np.full(n, np.inf)
     offsets_time[0] = t0
     dims = activation.dimensions(n)
     ranks_by_offset = members[(root + np.arange(n)) % n]
-    c = cost
     for d in range(dims):
         g = np.arange(min(1 << d, n))
         h = g + (1 << d)

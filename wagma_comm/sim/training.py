@@ -230,7 +230,9 @@ class _Run:
                 tok[root] = a[root]  # only the activator's own arrival activates
             else:
                 root = int(np.argmin(a[members]))
-                tok, sent = token_arrivals(members, root, a[members][root], cost)
+                flat = (self.method == "wagma_group_scope"
+                        and len(members) <= activation.FLAT_MAX)
+                tok, sent = token_arrivals(members, root, a[members][root], cost, flat)
                 tok = np.minimum(tok, a[members])  # an arrival activates its own rank
             act[members] = tok
             self.messages[members] += sent
