@@ -306,6 +306,9 @@ class PartialCollective:
             did |= self._check_pending_deadlines()
         return did
 
+    def busy(self) -> bool:
+        return False  # a round in flight is an engine Work; between rounds it listens
+
     def fail(self, error: WagmaError) -> None:
         self._engine.cancel_posted(self._on_token)
         with self._lock:

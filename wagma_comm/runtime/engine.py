@@ -116,6 +116,10 @@ class Service(Protocol):
     def fail(self, error: WagmaError) -> None:
         """The engine broke or closed: fail everything pending."""
 
+    def busy(self) -> bool:
+        """Whether it has operations in flight (the thread then spins as for
+        submitted work) rather than only listening."""
+
 
 class _Run:
     """Execution state of the current stage of one Work."""
@@ -331,8 +335,8 @@ class Engine:
                 progressed = self._turn()
             if progressed:
                 idle_since, sleep_s = time.monotonic(), 0.0
-            elif time.monotonic() - idle_since < (
-                    _SPIN_S if self._active or self._waiting else _LISTEN_SPIN_S):
+            elif time.monotonic() - idle_since < (_SPIN_S if self._in_flight_here()
+                                                  else _LISTEN_SPIN_S):
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
@@ -340,6 +344,12 @@ class Engine:
                     if not self._incoming and not self._woken:
                         self._cv.wait(sleep_s)
                     self._woken = False
+
+    def _in_flight_here(self) -> bool:
+        """Work of the engine's own or of a service is in flight (not just
+        listeners waiting for a token)."""
+        return bool(self._active or self._waiting
+                    or any(service.busy() for service in self._services))
 
     def _take_incoming(self) -> None:
         if self._incoming:
