@@ -335,8 +335,7 @@ class Engine:
                 progressed = self._turn()
             if progressed:
                 idle_since, sleep_s = time.monotonic(), 0.0
-            elif time.monotonic() - idle_since < (_SPIN_S if self._in_flight_here()
-                                                  else _LISTEN_SPIN_S):
+            elif self._keep_spinning(time.monotonic() - idle_since):
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
@@ -345,11 +344,16 @@ class Engine:
                         self._cv.wait(sleep_s)
                     self._woken = False
 
-    def _in_flight_here(self) -> bool:
-        """Work of the engine's own or of a service is in flight (not just
-        listeners waiting for a token)."""
-        return bool(self._active or self._waiting
-                    or any(service.busy() for service in self._services))
+    def _keep_spinning(self, idle_s: float) -> bool:
+        """Whether the thread, ``idle_s`` seconds without progress, spins on:
+        for ``_LISTEN_SPIN_S`` in any case, up to ``_SPIN_S`` while work of
+        its own or of a service is in flight (not just listeners waiting for
+        a token). The services are asked only after the short window."""
+        if idle_s < _LISTEN_SPIN_S:
+            return True
+        return idle_s < _SPIN_S and bool(
+            self._active or self._waiting
+            or any(service.busy() for service in self._services))
 
     def _take_incoming(self) -> None:
         if self._incoming:
