@@ -57,6 +57,21 @@ def _timed(cls: type, name: str, on_enter: str | None, on_exit: str | None,
     setattr(cls, name, wrapper)
 
 
+def _round_starts() -> dict[int, float]:
+    """Record when each round started on this rank (its progress thread), by
+    round number, so the activator's start can be compared with its members'
+    (one system-wide monotonic clock on one host)."""
+    starts: dict[int, float] = {}
+    inner = base.PartialCollective._start_round
+
+    def wrapper(self: Any, r: int, *args: Any, **kwargs: Any) -> Any:
+        starts.setdefault(r, time.monotonic())
+        return inner(self, r, *args, **kwargs)
+
+    base.PartialCollective._start_round = wrapper  # type: ignore[method-assign]
+    return starts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--elements", type=int, default=4096, help="float32 model elements")
@@ -76,11 +91,12 @@ def main() -> None:
     _timed(base.PartialCollective, "_round_done", "exchanged", None, events)
     _timed(base.PartialCollective, "_deliver", "deliver", "delivered", events)
     _timed(wagma.WaitAvoidingGroupAllreduce, "_finalize", "finalize", "finalized", events)
+    round_starts = _round_starts()
     model = np.ones(args.elements, np.float32)
     coll = comm.wait_avoiding_group_allreduce(model.copy(), args.group_size,
                                               sync_every=1 << 30, activation=args.activation)
     injector = make_injector(args.imbalance, world.size) if args.imbalance else None
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, Any]] = []
     started = (0.0, 0.0)
     for t in range(args.warmup + args.steps):
         if t == args.warmup:
@@ -97,13 +113,15 @@ def main() -> None:
         events[-1].append(("return", time.monotonic()))
         first_here = info.activator == world.rank and info.staleness == 0
         if t >= args.warmup and (injector is None or first_here):
-            first: dict[str, float] = {}
+            first: dict[str, Any] = {}
             for name, stamp in events[-1]:
                 first.setdefault(name, stamp)
+            first["round"], first["group"] = info.round, info.group
             rounds.append(first)
     wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
     coll.close()
     everyone = world.gather(rounds)
+    starts_everywhere = world.gather(round_starts)
     rates = world.gather((wall, cpu))
     if world.rank == 0:
         spans = {
@@ -126,6 +144,12 @@ def main() -> None:
             values = [r[b] - r[a] for ranks in everyone for r in ranks if a in r and b in r]
             if values:
                 print(f"{label:>42}: {statistics.median(values) * 1e6:9.1f} us")
+        lags = [max(starts_everywhere[m].get(r["round"], r["start"]) for m in r["group"])
+                - r["start"] for ranks in everyone for r in ranks
+                if "start" in r and "group" in r]
+        if lags and injector is not None:
+            print(f"{'round start -> last member starts':>42}: "
+                  f"{statistics.median(lags) * 1e6:9.1f} us")
         starts = []  # per step: last minus first start over ranks
         for k in range(len(everyone[0]) if injector is None else 0):
             firsts = [ranks[k]["start"] for ranks in everyone if "start" in ranks[k]]
