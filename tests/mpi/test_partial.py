@@ -183,6 +183,36 @@ def test_wagma_activation_routes_reach_every_member(comm: Communicator, scope: s
 
 
 @pytest.mark.parametrize("scope", SCOPES)
+def test_routing_state_stays_bounded_without_sync_rounds(
+        comm: Communicator, scope: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With synchronous rounds rare, the per-round routing state (who was sent
+    a token, who activated a round) is dropped TOKEN_HORIZON rounds after a
+    round completes instead of growing by an entry every round."""
+    if SIZE == 1:
+        pytest.skip("no tokens on one rank")
+    from wagma_comm.partial import base
+    horizon, steps = 4, 40
+    monkeypatch.setattr(base, "TOKEN_HORIZON", horizon)
+    w = comm.wait_avoiding_group_allreduce(np.full(2, 5.0), SIZE, sync_every=1 << 30,
+                                           activation=scope)
+    rng = np.random.default_rng(RANK)
+    for _ in range(steps):
+        if rng.random() < 0.3:
+            time.sleep(0.002)  # vary who activates
+        model = np.full(2, 5.0)
+        w.step(model)
+        assert np.all(model == 5.0)  # every contribution is 5, however stale
+    WORLD.Barrier()
+    assert w.statistics()["tokens_received"] > 0
+    # at most 2 * horizon entries between prunes; the rounds ahead of the
+    # last completed one are none at the end
+    assert len(w._thresholds) <= 2 * horizon + 1, sorted(w._thresholds)
+    assert not w._roots, w._roots  # an activator is kept only until its round starts
+    w.flush()
+    w.close()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
         comm: Communicator, scope: str, dtype: str) -> None:

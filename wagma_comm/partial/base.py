@@ -50,6 +50,12 @@ from ..schedule.ir import DATA
 from .info import RoundInfo, Telemetry
 
 _TOKEN_WORDS = 4  # collective id, round, root, sender
+# A token for a round this many rounds before the last one completed here is
+# dropped, not forwarded: that round ran long ago, and any rank the token
+# would still have reached is activated by a later round's token (activation
+# covers the rounds before it). Keeps the routing state bounded when
+# synchronous rounds, which clear it, are rare.
+TOKEN_HORIZON = 256
 
 
 def check_sync_every(sync_every: Any) -> int:
@@ -485,6 +491,8 @@ class PartialCollective:
         if synchronized:
             self._last_sync = r
             self._thresholds = {q: v for q, v in self._thresholds.items() if q > r}
+        else:
+            self._forget_routes(r)
         with self._lock:
             self.telemetry.record_round(members, fresh, synchronized)
             self._completed = r
@@ -562,18 +570,28 @@ class PartialCollective:
     def _activate(self, r: int, sender: int | None, root: int) -> None:
         """Record that round ``r`` is activated (rounds before it too: rounds run
         in order here) and pass the token on."""
-        if r <= self._last_sync or activation.is_sync_round(r, self.sync_every):
+        if (r <= self._last_sync or r <= self._completed - TOKEN_HORIZON
+                or activation.is_sync_round(r, self.sync_every)):
             return
         if r > self._activated:
             for q in range(self._activated + 1, r):
                 if not activation.is_sync_round(q, self.sync_every):
-                    self._roots.setdefault(q, self.rank)
-                    self._route(q, None)
+                    self._roots[q] = self.rank
+                    self._route(q, None, self.rank)
             self._activated = r
-        self._roots.setdefault(r, root)
-        self._route(r, sender)
+        if r > self._started:  # popped when the round starts
+            root = self._roots.setdefault(r, root)
+        self._route(r, sender, root)
 
-    def _route(self, r: int, sender: int | None) -> None:
+    def _forget_routes(self, r: int) -> None:
+        """Round ``r`` completed: drop the routing state of rounds whose
+        tokens :meth:`_activate` now ignores (amortised; sync rounds clear it
+        all, but ``sync_every`` may be huge)."""
+        if len(self._thresholds) > 2 * TOKEN_HORIZON:
+            horizon = r - TOKEN_HORIZON
+            self._thresholds = {q: v for q, v in self._thresholds.items() if q > horizon}
+
+    def _route(self, r: int, sender: int | None, root: int) -> None:
         scope = self._token_scope(r)
         n = len(scope)
         if n <= 1:
@@ -591,7 +609,6 @@ class PartialCollective:
                 me, scope.index(sender), n)
             threshold = self._thresholds.get(r, activation.no_tokens_sent(n))
             targets, self._thresholds[r] = activation.forward(me, n, came, threshold)
-        root = self._roots.get(r, self.rank)
         for k in targets:
             token = np.array([self._id, r, root, self.rank], dtype=np.int64)
             request = self._transport.isend(token, scope[k], self._ch_act, 0, 0)
