@@ -112,15 +112,20 @@ def _env_flag(name: str) -> bool:
 
 
 class _FastCall:
-    """What an allreduce on NumPy arrays of one dtype and shape, with one op
-    and algorithm, compiles to (``Communicator._remember_fast``)."""
+    """What a blocking allreduce or group allreduce on NumPy arrays of one
+    dtype and shape, with one op and algorithm (and group), compiles to
+    (``Communicator._remember_fast``). ``calls`` counts its calls, folded
+    into ``statistics()["calls"]``."""
 
-    __slots__ = ("sched", "text", "dtype", "flat", "program", "generation")
+    __slots__ = ("collective", "sched", "text", "dtype", "flat", "program", "generation",
+                 "calls")
 
-    def __init__(self, sched: Schedule, text: str, dtype: DType, flat: bool,
-                 engine: Engine) -> None:
+    def __init__(self, collective: str, sched: Schedule, text: str, dtype: DType,
+                 flat: bool, engine: Engine) -> None:
+        self.collective = collective
         self.sched, self.text, self.dtype = sched, text, dtype
         self.flat = flat  # the array itself is the flat view of its storage dtype
+        self.calls = 0
         self.refresh(engine)
 
     def refresh(self, engine: Engine) -> Program:
@@ -158,7 +163,7 @@ class Communicator:
         self._gpu_lock = threading.Lock()
         self._closed = False
         self._calls: dict[str, int] = {}
-        self._small_calls = 0  # allreduce calls of the small-call path, not in _calls
+        self._fast_calls: dict[str, int] = {}  # calls of forgotten _FastCalls
         self._partials = 0
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()  # for the exit report
         global _EXIT_HOOK
@@ -216,26 +221,21 @@ class Communicator:
         member raises ``InvalidArgumentError("buf", ...)`` after the collective
         completed (from ``wait()`` when async); ``buf`` holds that result and
         the communicator stays usable. ±Inf is ordered and accepted."""
+        fast_key = None
         if type(buf) is np.ndarray and not async_op and timeout is None:
             # The small-message path: a call seen before (same dtype, shape, op
             # and algorithm) checks only what can differ between such calls.
-            try:
-                fast = self._fast.get((buf.dtype, buf.shape, op, algorithm))
-            except TypeError:  # an unhashable algorithm: the full path names it
-                fast = None
-            if fast is not None:
-                flags = buf.flags
-                if flags.c_contiguous and flags.writeable:
-                    return self._submit_small(
-                        fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage),
-                        buf)
+            fast_key = (buf.dtype, buf.shape, op, algorithm)
+            result = self._try_small(fast_key, buf)
+            if result is not NOT_INLINE:
+                return result
         device = cuda_device(buf)
         if device is not None:
             return self._gpu_collective("allreduce", buf, device, "allreduce",
                                         tuple(range(self.size)), op, algorithm, -1, None,
                                         timeout, async_op)
         return self._reduce("allreduce", buf, self._all_ranks, op, algorithm,
-                            timeout, async_op, extra="")
+                            timeout, async_op, extra="", fast_key=fast_key)
 
     def group_allreduce(self, buf: Any, group_size: int, step: int, op: str = "avg", *,
                         async_op: bool = False, algorithm: str | None = None,
@@ -243,8 +243,20 @@ class Communicator:
         """Reduce ``buf`` within this rank's group at ``step`` (shifting groups of
         at most ``group_size`` ranks), in place. NaN with max/min: as
         :meth:`allreduce` (raised on every member of the group)."""
+        fast_key = None
+        if (type(buf) is np.ndarray and not async_op and timeout is None
+                and type(group_size) is int and type(step) is int and step >= 0):
+            # The small-message path, as allreduce's; the group is the same
+            # every num_steps steps, so is the call.
+            fast_key = (buf.dtype, buf.shape, op, algorithm, group_size,
+                        step % groups_mod.num_steps(self.size, group_size)
+                        if 1 <= group_size <= self.size else step)
+            result = self._try_small(fast_key, buf)
+            if result is not NOT_INLINE:
+                return result
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
+        step %= groups_mod.num_steps(self.size, group_size)  # one schedule per group
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
         device = cuda_device(buf)
         if device is not None:
@@ -255,7 +267,8 @@ class Communicator:
             return self._gpu_collective("group_allreduce", buf, device, "allreduce", ranks, op,
                                         algorithm, -1, partition, timeout, async_op)
         return self._reduce("group_allreduce", buf, ranks, op, algorithm, timeout,
-                            async_op, extra=f",group_size={group_size},step={step}")
+                            async_op, extra=f",group_size={group_size},step={step}",
+                            fast_key=fast_key)
 
     def broadcast(self, buf: Any, root: int = 0, *, async_op: bool = False,
                   algorithm: str | None = None, timeout: float | None = None) -> Any:
@@ -447,8 +460,12 @@ class Communicator:
         and calls per collective."""
         stats: dict[str, Any] = self._engine.statistics()
         calls = dict(self._calls)
-        if self._small_calls:
-            calls["allreduce"] = calls.get("allreduce", 0) + self._small_calls
+        small = dict(self._fast_calls)
+        for fast in list(self._fast.values()):
+            small[fast.collective] = small.get(fast.collective, 0) + fast.calls
+        for collective, count in small.items():
+            if count:
+                calls[collective] = calls.get(collective, 0) + count
         stats["calls"] = calls
         stats["broken"] = None if self._engine.broken is None else str(self._engine.broken)
         if self._gpu is not None:
@@ -479,7 +496,8 @@ class Communicator:
         return algorithm
 
     def _reduce(self, collective: str, buf: Any, ranks: tuple[int, ...], op: str,
-                algorithm: str | None, timeout: Any, async_op: bool, extra: str) -> Any:
+                algorithm: str | None, timeout: Any, async_op: bool, extra: str,
+                fast_key: tuple[Any, ...] | None = None) -> Any:
         self._check_open()
         check_op(op)
         buffer = as_buffer(buf, "buf")
@@ -501,24 +519,48 @@ class Communicator:
         sched, text = prepared
         check = (_nan_check(collective, op, buffer)
                  if op in ("max", "min") and buffer.dtype.is_float else None)
-        if collective == "allreduce" and check is None and key is not None:
-            self._remember_fast(buf, op, algorithm, sched, text, buffer)
+        if fast_key is not None and check is None and key is not None:
+            self._remember_fast(fast_key, collective, buf, sched, text, buffer)
         return self._submit(collective, text, sched, buffer, deadline_s, async_op,
                             on_done=check)
 
-    def _remember_fast(self, buf: Any, op: str, algorithm: Any, sched: Schedule, text: str,
-                       buffer: Buffer) -> None:
-        """Let later allreduce calls on NumPy arrays like ``buf`` take the
-        small-message path: only calls that run inline when the engine is idle
-        (debug fingerprints and group set-up need the full path)."""
+    def _try_small(self, fast_key: tuple[Any, ...], buf: np.ndarray) -> Any:
+        """Run a blocking call on the small-message path if one like it was
+        remembered (only what differs between such calls is checked: the
+        buffer's layout); NOT_INLINE if not."""
+        try:
+            fast = self._fast.get(fast_key)
+        except TypeError:  # an unhashable algorithm: the full path names it
+            return NOT_INLINE
+        if fast is None:
+            return NOT_INLINE
+        flags = buf.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return NOT_INLINE  # the full path names the problem
+        return self._submit_small(
+            fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf)
+
+    def _remember_fast(self, fast_key: tuple[Any, ...], collective: str, buf: Any,
+                       sched: Schedule, text: str, buffer: Buffer) -> None:
+        """Let later calls on NumPy arrays like ``buf`` with the same
+        ``fast_key`` take the small-message path: only calls that run inline
+        when the engine is idle (debug fingerprints and group set-up need the
+        full path)."""
         if type(buf) is not np.ndarray or not self._may_run_inline(
                 buffer.nbytes, self._native_ranks(sched)):
             return
         if len(self._fast) >= _PREPARED_LIMIT:
+            self._fold_fast_calls()
             self._fast.clear()
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
-        self._fast[(buf.dtype, buf.shape, op, algorithm)] = _FastCall(
-            sched, text, buffer.dtype, flat, self._engine)
+        self._fast[fast_key] = _FastCall(collective, sched, text, buffer.dtype, flat,
+                                         self._engine)
+
+    def _fold_fast_calls(self) -> None:
+        """Keep the call counts of the small-call entries about to be forgotten."""
+        for fast in self._fast.values():
+            self._fast_calls[fast.collective] = (self._fast_calls.get(fast.collective, 0)
+                                                 + fast.calls)
 
     def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
                         op: str, algorithm: Any, extra: str) -> tuple[Schedule, str]:
@@ -585,7 +627,7 @@ class Communicator:
                 and all(self._transport.has_group(r) for r in natives))
 
     def _submit_small(self, fast: _FastCall, data: np.ndarray, value: Any) -> Any:
-        """:meth:`_submit` of a blocking allreduce ``fast`` says may run inline,
+        """:meth:`_submit` of a blocking call ``fast`` says may run inline,
         with the communicator's default timeout: the same steps, minus what
         ``fast`` settled when it was made (dtype, size, debug, native groups)."""
         engine = self._engine
@@ -594,17 +636,17 @@ class Communicator:
                 self._check_open()
             seq = self._seq
             self._seq = seq + 1
-            self._small_calls += 1
+            fast.calls += 1
             now = time.monotonic()
             timeout = self._timeout
             program = (fast.program if fast.generation == engine.generation
                        else fast.refresh(engine))
             late = engine.run_inline(
                 program, data, seq, now + timeout, self._inline_work,
-                ("allreduce", fast.sched, fast.dtype, data, None, seq, now, timeout, value,
-                 data))
+                (fast.collective, fast.sched, fast.dtype, data, None, seq, now, timeout,
+                 value, data))
             if late is NOT_INLINE:
-                work = self._enqueue("allreduce", fast.text, fast.sched, data, fast.dtype,
+                work = self._enqueue(fast.collective, fast.text, fast.sched, data, fast.dtype,
                                      seq, now, timeout, False, value, data, None,
                                      self._native_ranks(fast.sched))
         if late is None:

@@ -281,3 +281,32 @@ def test_repeated_calls_still_check_each_buffer(comm: wagma_comm.Communicator) -
         buf = np.full(4, RANK + 1, np.float32)
         assert comm.allreduce(buf) is buf
         np.testing.assert_array_equal(buf, _expected(4, np.float32))
+
+
+def test_repeated_group_allreduce_takes_the_small_call_path(
+        comm: wagma_comm.Communicator) -> None:
+    """The groups repeat every ``num_steps`` steps, and so does a blocking
+    group allreduce on a NumPy array: from the second period on every call
+    runs from the remembered call (counted on it) and still sums its own
+    group at its step. Bad arguments are still refused on that path."""
+    from wagma_comm import groups
+
+    group_size = max(1, SIZE // 2)
+    period = groups.num_steps(SIZE, group_size)
+    steps = 3 * period + 1
+    before = comm.statistics()["calls"].get("group_allreduce", 0)
+    for step in range(steps):
+        x = np.full(3, RANK + 1.0)
+        assert comm.group_allreduce(x, group_size, step, op="sum") is x
+        expected = sum(r + 1.0 for r in comm.group_of(group_size, step))
+        np.testing.assert_array_equal(x, np.full(3, expected))
+    remembered = [f for key, f in comm._fast.items() if f.collective == "group_allreduce"
+                  and key[:5] == (np.dtype(np.float64), (3,), "sum", None, group_size)]
+    assert len(remembered) == period
+    assert sum(f.calls for f in remembered) == steps - period
+    assert comm.statistics()["calls"]["group_allreduce"] - before == steps
+    x = np.ones(3)
+    with pytest.raises(wagma_comm.InvalidArgumentError, match="step"):
+        comm.group_allreduce(x, group_size, -1, op="sum")
+    with pytest.raises(wagma_comm.InvalidArgumentError, match="group_size"):
+        comm.group_allreduce(x, True, 0, op="sum")
