@@ -114,18 +114,19 @@ def _env_flag(name: str) -> bool:
 class _FastCall:
     """What a blocking allreduce or group allreduce on NumPy arrays of one
     dtype and shape, with one op and algorithm (and group), compiles to
-    (``Communicator._remember_fast``). ``calls`` counts its calls, folded
-    into ``statistics()["calls"]``."""
+    (``Communicator._remember_fast``). ``counter`` is the one-element list
+    its calls are counted in, shared by every such call of the collective and
+    outliving the entry (a thread may still use an entry being forgotten)."""
 
     __slots__ = ("collective", "sched", "text", "dtype", "flat", "program", "generation",
-                 "calls")
+                 "counter")
 
     def __init__(self, collective: str, sched: Schedule, text: str, dtype: DType,
-                 flat: bool, engine: Engine) -> None:
+                 flat: bool, engine: Engine, counter: list[int]) -> None:
         self.collective = collective
         self.sched, self.text, self.dtype = sched, text, dtype
         self.flat = flat  # the array itself is the flat view of its storage dtype
-        self.calls = 0
+        self.counter = counter
         self.refresh(engine)
 
     def refresh(self, engine: Engine) -> Program:
@@ -163,7 +164,7 @@ class Communicator:
         self._gpu_lock = threading.Lock()
         self._closed = False
         self._calls: dict[str, int] = {}
-        self._fast_calls: dict[str, int] = {}  # calls of forgotten _FastCalls
+        self._small_counts: dict[str, list[int]] = {}  # calls on the small-call path
         self._partials = 0
         self._persistent: weakref.WeakSet[Any] = weakref.WeakSet()  # for the exit report
         global _EXIT_HOOK
@@ -264,7 +265,8 @@ class Communicator:
                 return result
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
-        step %= groups_mod.num_steps(self.size, group_size)  # one schedule per group
+        period = groups_mod.num_steps(self.size, group_size)
+        step %= period  # one schedule (and description) per group
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
         device = cuda_device(buf)
         if device is not None:
@@ -275,7 +277,8 @@ class Communicator:
             return self._gpu_collective("group_allreduce", buf, device, "allreduce", ranks, op,
                                         algorithm, -1, partition, timeout, async_op)
         return self._reduce("group_allreduce", buf, ranks, op, algorithm, timeout,
-                            async_op, extra=f",group_size={group_size},step={step}",
+                            async_op,
+                            extra=f",group_size={group_size},step={step} (mod {period})",
                             fast_key=fast_key)
 
     def broadcast(self, buf: Any, root: int = 0, *, async_op: bool = False,
@@ -468,10 +471,7 @@ class Communicator:
         and calls per collective."""
         stats: dict[str, Any] = self._engine.statistics()
         calls = dict(self._calls)
-        small = dict(self._fast_calls)
-        for fast in list(self._fast.values()):
-            small[fast.collective] = small.get(fast.collective, 0) + fast.calls
-        for collective, count in small.items():
+        for collective, (count,) in list(self._small_counts.items()):
             if count:
                 calls[collective] = calls.get(collective, 0) + count
         stats["calls"] = calls
@@ -557,18 +557,17 @@ class Communicator:
         if type(buf) is not np.ndarray or not self._may_run_inline(
                 buffer.nbytes, self._native_ranks(sched)):
             return
-        if len(self._fast) >= _PREPARED_LIMIT:
-            self._fold_fast_calls()
-            self._fast.clear()
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
-        self._fast[fast_key] = _FastCall(collective, sched, text, buffer.dtype, flat,
-                                         self._engine)
-
-    def _fold_fast_calls(self) -> None:
-        """Keep the call counts of the small-call entries about to be forgotten."""
-        for fast in self._fast.values():
-            self._fast_calls[fast.collective] = (self._fast_calls.get(fast.collective, 0)
-                                                 + fast.calls)
+        # Under the submission lock, like every use of the engine's programs
+        # (another thread may be submitting meanwhile).
+        with self._lock:
+            if fast_key in self._fast:
+                return  # another thread remembered it first
+            if len(self._fast) >= _PREPARED_LIMIT:
+                self._fast.clear()
+            counter = self._small_counts.setdefault(collective, [0])
+            self._fast[fast_key] = _FastCall(collective, sched, text, buffer.dtype, flat,
+                                             self._engine, counter)
 
     def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
                         op: str, algorithm: Any, extra: str) -> tuple[Schedule, str]:
@@ -644,7 +643,7 @@ class Communicator:
                 self._check_open()
             seq = self._seq
             self._seq = seq + 1
-            fast.calls += 1
+            fast.counter[0] += 1
             now = time.monotonic()
             timeout = self._timeout
             program = (fast.program if fast.generation == engine.generation

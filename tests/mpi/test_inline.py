@@ -295,6 +295,7 @@ def test_repeated_group_allreduce_takes_the_small_call_path(
     period = groups.num_steps(SIZE, group_size)
     steps = 3 * period + 1
     before = comm.statistics()["calls"].get("group_allreduce", 0)
+    small_before = comm._small_counts.get("group_allreduce", [0])[0]
     for step in range(steps):
         x = np.full(3, RANK + 1.0)
         assert comm.group_allreduce(x, group_size, step, op="sum") is x
@@ -303,10 +304,51 @@ def test_repeated_group_allreduce_takes_the_small_call_path(
     remembered = [f for key, f in comm._fast.items() if f.collective == "group_allreduce"
                   and key[:5] == (np.dtype(np.float64), (3,), "sum", None, group_size)]
     assert len(remembered) == period
-    assert sum(f.calls for f in remembered) == steps - period
+    assert comm._small_counts["group_allreduce"][0] - small_before == steps - period
     assert comm.statistics()["calls"]["group_allreduce"] - before == steps
     x = np.ones(3)
     with pytest.raises(wagma_comm.InvalidArgumentError, match="step"):
         comm.group_allreduce(x, group_size, -1, op="sum")
     with pytest.raises(wagma_comm.InvalidArgumentError, match="group_size"):
         comm.group_allreduce(x, True, 0, op="sum")
+
+
+def test_call_counts_stay_exact_with_threads_and_cache_overflow(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three threads call on one rank (MPI_COMM_SELF: their order may differ
+    from other ranks') with more shapes than the small-call cache holds, so
+    it is forgotten again and again: no call fails and every call is counted
+    exactly once."""
+    import sys
+    import threading
+
+    from wagma_comm import comm as comm_mod
+    from wagma_comm.transport.mpi import MPITransport
+
+    monkeypatch.setattr(comm_mod, "_PREPARED_LIMIT", 8)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside the cache's upkeep
+    errors: list[BaseException] = []
+    calls = 400
+
+    def caller(k: int) -> None:
+        try:
+            for i in range(calls):
+                buf = np.ones(1 + (7 * i + k) % 25)
+                c.allreduce(buf)
+                assert np.all(buf == 1.0)
+        except BaseException as exc:  # reported below, on the main thread
+            errors.append(exc)
+
+    c = wagma_comm.Communicator(MPITransport(MPI.COMM_SELF), timeout=60)
+    try:
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+        c.close()
+    assert not errors, errors[:3]
+    assert c.statistics()["calls"]["allreduce"] == 3 * calls
