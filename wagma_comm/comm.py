@@ -252,21 +252,18 @@ class Communicator:
         """Reduce ``buf`` within this rank's group at ``step`` (shifting groups of
         at most ``group_size`` ranks), in place. NaN with max/min: as
         :meth:`allreduce` (raised on every member of the group)."""
-        fast_key = None
-        if (type(buf) is np.ndarray and not async_op and timeout is None
-                and type(group_size) is int and type(step) is int and step >= 0):
-            # The small-message path, as allreduce's; the group is the same
-            # every num_steps steps, so is the call.
-            fast_key = (buf.dtype, buf.shape, op, algorithm, group_size,
-                        step % groups_mod.num_steps(self.size, group_size)
-                        if 1 <= group_size <= self.size else step)
-            result = self._try_small(fast_key, buf)
-            if result is not NOT_INLINE:
-                return result
         groups_mod.check_group_size(self.size, group_size)
         groups_mod.check_step(step)
         period = groups_mod.num_steps(self.size, group_size)
         step %= period  # one schedule (and description) per group
+        fast_key = None
+        if type(buf) is np.ndarray and not async_op and timeout is None:
+            # The small-message path, as allreduce's: the group, and so the
+            # call, repeats every ``period`` steps.
+            fast_key = (buf.dtype, buf.shape, op, algorithm, group_size, step)
+            result = self._try_small(fast_key, buf)
+            if result is not NOT_INLINE:
+                return result
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
         device = cuda_device(buf)
         if device is not None:
@@ -548,14 +545,13 @@ class Communicator:
         return self._submit_small(
             fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf)
 
-    def _remember_fast(self, fast_key: tuple[Any, ...], collective: str, buf: Any,
+    def _remember_fast(self, fast_key: tuple[Any, ...], collective: str, buf: np.ndarray,
                        sched: Schedule, text: str, buffer: Buffer) -> None:
         """Let later calls on NumPy arrays like ``buf`` with the same
         ``fast_key`` take the small-message path: only calls that run inline
         when the engine is idle (debug fingerprints and group set-up need the
         full path)."""
-        if type(buf) is not np.ndarray or not self._may_run_inline(
-                buffer.nbytes, self._native_ranks(sched)):
+        if not self._may_run_inline(buffer.nbytes, self._native_ranks(sched)):
             return
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
         # Under the submission lock, like every use of the engine's programs

@@ -30,6 +30,7 @@ from ..schedule.straight import LOCAL, POST, StraightOrder
 from ..transport.base import Transport
 from .inline import CLOCK_EVERY, NATIVE, RECV, SEND, Program, ProgramRun, check_clock, view
 
+
 def wait(requests: list[Any], test_all: Callable[[list[Any]], bool], deadline: float,
          patience: float) -> str | None:
     """After a failed test of ``requests``: poll until all completed (None),
