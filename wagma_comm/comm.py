@@ -28,7 +28,7 @@ from .errors import (
     UnsupportedError,
 )
 from .runtime import debug
-from .runtime.engine import NOT_INLINE, Engine, Stage, Work
+from .runtime.engine import LAZY, NOT_INLINE, Engine, Stage, Work
 from .runtime.handle import Handle
 from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
@@ -223,7 +223,7 @@ class Communicator:
         completed (from ``wait()`` when async); ``buf`` holds that result and
         the communicator stays usable. ±Inf is ordered and accepted."""
         fast_key = None
-        if type(buf) is np.ndarray and not async_op and timeout is None:
+        if type(buf) is np.ndarray and timeout is None:
             # The small-message path: a call seen before (same dtype, shape, op
             # and algorithm) checks only what can differ between such calls.
             # (_try_small, written out: a Python call is 4% of this path.)
@@ -237,7 +237,7 @@ class Communicator:
                 if flags.c_contiguous and flags.writeable:
                     return self._submit_small(
                         fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage),
-                        buf)
+                        buf, async_op)
         device = cuda_device(buf)
         if device is not None:
             return self._gpu_collective("allreduce", buf, device, "allreduce",
@@ -257,11 +257,11 @@ class Communicator:
         period = groups_mod.num_steps(self.size, group_size)
         step %= period  # one schedule (and description) per group
         fast_key = None
-        if type(buf) is np.ndarray and not async_op and timeout is None:
+        if type(buf) is np.ndarray and timeout is None:
             # The small-message path, as allreduce's: the group, and so the
             # call, repeats every ``period`` steps.
             fast_key = (buf.dtype, buf.shape, op, algorithm, group_size, step)
-            result = self._try_small(fast_key, buf)
+            result = self._try_small(fast_key, buf, async_op)
             if result is not NOT_INLINE:
                 return result
         ranks = groups_mod.group_of(self.rank, self.size, group_size, step)
@@ -529,10 +529,10 @@ class Communicator:
         return self._submit(collective, text, sched, buffer, deadline_s, async_op,
                             on_done=check)
 
-    def _try_small(self, fast_key: tuple[Any, ...], buf: np.ndarray) -> Any:
-        """Run a blocking call on the small-message path if one like it was
-        remembered (only what differs between such calls is checked: the
-        buffer's layout); NOT_INLINE if not."""
+    def _try_small(self, fast_key: tuple[Any, ...], buf: np.ndarray, async_op: bool) -> Any:
+        """Run (or post, ``async_op``) a call on the small-message path if one
+        like it was remembered (only what differs between such calls is
+        checked: the buffer's layout); NOT_INLINE if not."""
         try:
             fast = self._fast.get(fast_key)
         except TypeError:  # an unhashable algorithm: the full path names it
@@ -543,7 +543,7 @@ class Communicator:
         if not (flags.c_contiguous and flags.writeable):
             return NOT_INLINE  # the full path names the problem
         return self._submit_small(
-            fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf)
+            fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf, async_op)
 
     def _remember_fast(self, fast_key: tuple[Any, ...], collective: str, buf: np.ndarray,
                        sched: Schedule, text: str, buffer: Buffer) -> None:
@@ -629,10 +629,13 @@ class Communicator:
         return (nbytes <= INLINE_MAX_BYTES and not (self._debug and self.size > 1)
                 and all(self._transport.has_group(r) for r in natives))
 
-    def _submit_small(self, fast: _FastCall, data: np.ndarray, value: Any) -> Any:
-        """:meth:`_submit` of a blocking call ``fast`` says may run inline,
-        with the communicator's default timeout: the same steps, minus what
-        ``fast`` settled when it was made (dtype, size, debug, native groups)."""
+    def _submit_small(self, fast: _FastCall, data: np.ndarray, value: Any,
+                      async_op: bool = False) -> Any:
+        """:meth:`_submit` of a call ``fast`` says may run inline, with the
+        communicator's default timeout: the same steps, minus what ``fast``
+        settled when it was made (dtype, size, debug, native groups).
+        Non-blocking, it is queued as a Work the engine runs straight through
+        (Engine._start_here), without waking the progress thread."""
         engine = self._engine
         with self._lock:
             if self._closed or engine.broken is not None:
@@ -644,6 +647,14 @@ class Communicator:
             timeout = self._timeout
             program = (fast.program if fast.generation == engine.generation
                        else fast.refresh(engine))
+            if async_op:
+                handle = Handle(fast.collective, seq, now + timeout, engine.alive,
+                                engine.drive_until, engine.nudge)
+                engine.submit(Work(seq, fast.collective, handle,
+                                   [Stage(fast.sched, CHANNEL_DATA, {DATA: data}, fast.dtype)],
+                                   now + timeout, timeout, result=value, keepalive=data,
+                                   program=program), wake=LAZY)
+                return handle
             late = engine.run_inline(
                 program, data, seq, now + timeout, self._inline_work,
                 (fast.collective, fast.sched, fast.dtype, data, None, seq, now, timeout,
@@ -673,13 +684,19 @@ class Communicator:
             setup, requires, creates = self._setup_stages(sched)
             stages.extend(setup)
         stages.append(Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done))
-        handle = Handle(collective, seq, now + timeout, self._engine.alive,
-                        self._engine.drive_until)
+        engine = self._engine
+        # Small and non-blocking: run straight through by whoever starts it
+        # (its waiter, usually), and not worth waking the progress thread for.
+        lazy = (async_op and len(stages) == 1 and not requires
+                and data.nbytes <= INLINE_MAX_BYTES)
+        handle = Handle(collective, seq, now + timeout, engine.alive, engine.drive_until,
+                        engine.nudge if lazy else None)
         work = Work(seq, collective, handle, stages, now + timeout, timeout,
                     result=value, keepalive=keepalive, requires=requires, creates=creates,
-                    on_complete=self._setup_failed(creates) if creates else None)
+                    on_complete=self._setup_failed(creates) if creates else None,
+                    program=engine.program(sched, dt) if lazy else None)
         # A blocking call drives its own work: no need to wake the thread.
-        self._engine.submit(work, wake=async_op)
+        engine.submit(work, wake=LAZY if lazy else async_op)
         return work
 
     def _inline_work(self, collective: str, sched: Schedule, dt: DType, data: np.ndarray,

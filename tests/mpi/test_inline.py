@@ -36,17 +36,23 @@ def test_small_blocking_calls_run_inline(comm: wagma_comm.Communicator, dtype: t
     assert started_inline() - before == 5
 
 
-def test_large_or_async_calls_use_the_engine(comm: wagma_comm.Communicator) -> None:
+def test_large_calls_use_the_engine_and_small_async_ones_run_straight(
+        comm: wagma_comm.Communicator) -> None:
+    """A large blocking call goes through the engine's executor; a small
+    non-blocking one is run straight through by its waiter (counted with the
+    inline runs; tests/mpi/test_small_async.py)."""
     stats = comm.statistics()
     before = stats["inline"] + stats["inline_handed_over"]
     big = np.full(INLINE_MAX_BYTES // 4 + 1, RANK + 1, np.float32)
     comm.allreduce(big)
     np.testing.assert_array_equal(big, _expected(big.size, np.float32))
+    stats = comm.statistics()
+    assert stats["inline"] + stats["inline_handed_over"] == before
     small = np.full(2, RANK + 1, np.float32)
     comm.allreduce(small, async_op=True).wait()
     np.testing.assert_array_equal(small, _expected(2, np.float32))
     stats = comm.statistics()
-    assert stats["inline"] + stats["inline_handed_over"] == before
+    assert stats["inline"] + stats["inline_handed_over"] == before + 1
 
 
 def test_not_inline_while_other_work_is_in_flight(comm: wagma_comm.Communicator) -> None:
@@ -317,8 +323,9 @@ def test_call_counts_stay_exact_with_threads_and_cache_overflow(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Three threads call on one rank (MPI_COMM_SELF: their order may differ
     from other ranks') with more shapes than the small-call cache holds, so
-    it is forgotten again and again: no call fails and every call is counted
-    exactly once."""
+    it is forgotten again and again, every third call non-blocking (its
+    waiter, another thread's turn or the progress thread starts it): no call
+    fails and every call is counted exactly once."""
     import sys
     import threading
 
@@ -335,7 +342,10 @@ def test_call_counts_stay_exact_with_threads_and_cache_overflow(
         try:
             for i in range(calls):
                 buf = np.ones(1 + (7 * i + k) % 25)
-                c.allreduce(buf)
+                if i % 3 == k:
+                    c.allreduce(buf, async_op=True).wait()
+                else:
+                    c.allreduce(buf)
                 assert np.all(buf == 1.0)
         except BaseException as exc:  # reported below, on the main thread
             errors.append(exc)

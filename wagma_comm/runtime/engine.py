@@ -55,6 +55,19 @@ _MAX_SLEEP_S = 1e-3
 _LISTEN_SPIN_S = float(os.environ.get("WAGMA_LISTEN_SPIN_US", "200")) * 1e-6
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 _IDLE_WAIT_S = 1.0
+# A small non-blocking call does not wake a napping progress thread
+# (``submit(wake=LAZY)``): its caller usually waits soon and then runs it
+# itself, and on an oversubscribed host the wake-up costs more than the call
+# (docs/benchmarks.md). For this long after such a call the idle thread naps
+# for at most _LAZY_NAP_S instead of _IDLE_WAIT_S, so it still starts the
+# call within that nap when the caller does not wait.
+_LAZY_NAP_S = 5e-3
+_LAZY_WINDOW_S = 0.1
+LAZY = "lazy"  # submit(wake=LAZY)
+# How long a small non-blocking call run straight through (Engine._start_here)
+# waits on a late peer before the executor takes it over: the thread running
+# it (the progress thread, or a waiter driving) serves nothing else meanwhile.
+_STRAIGHT_PATIENCE_S = 1e-3
 
 NOT_INLINE = object()  # what run_inline returns when the engine was not idle
 
@@ -67,7 +80,7 @@ _PLAN_CACHE_LIMIT = 4096
 _PROGRAM_CACHE_LIMIT = 64  # small schedules (inline runs) with their scratch
 
 
-@dataclass
+@dataclass(slots=True)
 class Stage:
     """One schedule to run on ``arrays`` (``"data"`` plus any scratch the caller
     provides; missing scratch is taken from the engine's pool). ``on_done`` runs
@@ -81,7 +94,7 @@ class Stage:
     label: str | None = None  # what a timeout message calls this stage
 
 
-@dataclass
+@dataclass(slots=True)
 class Work:
     """A submitted collective: its stages run one after the other."""
 
@@ -103,6 +116,9 @@ class Work:
     # one may start only once they exist (Communicator._setup_stages).
     requires: tuple[tuple[int, ...], ...] = ()
     creates: tuple[tuple[int, ...], ...] = ()  # groups whose set-up this Work runs
+    # A small one-stage Work's inline form (Engine.program): the engine may
+    # start it by running it straight through (Engine._start_here).
+    program: Program | None = None
 
 
 class Service(Protocol):
@@ -167,7 +183,11 @@ class Engine:
                  liveness: Liveness | None = None) -> None:
         self._transport = transport
         self._watch = Watch(liveness)
-        self._cv = threading.Condition()
+        # ``with self._mutex`` where nothing waits or notifies: the same lock
+        # as ``with self._cv`` without the Condition's Python-level methods
+        # (four such sections per small non-blocking call).
+        self._mutex = threading.RLock()
+        self._cv = threading.Condition(self._mutex)
         self._incoming: deque[Work] = deque()
         self._waiting: deque[Work] = deque()  # held back by the sequence window
         self._active: list[_Run] = []
@@ -181,6 +201,8 @@ class Engine:
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
         self._woken = False
+        self._lazy_at = -_LAZY_WINDOW_S  # when the last LAZY submission came
+        self._napping_long = False  # the thread sleeps up to _IDLE_WAIT_S
         # One thread at a time drives the engine: the progress thread, or an
         # application thread waiting on a handle (drive_until). ``_drivers``
         # counts the latter; the progress thread parks while any are driving.
@@ -207,35 +229,41 @@ class Engine:
         driving the engine): the GPU queue calls NCCL only from there."""
         return threading.current_thread() is self._thread
 
-    def submit(self, work: Work, wake: bool = True) -> None:
+    def submit(self, work: Work, wake: bool | str = True) -> None:
         """Queue work (thread-safe). Order of submission is order of start.
         ``wake=False``: the caller will drive it (drive_until), so the parked
-        progress thread is left asleep."""
-        with self._cv:
+        progress thread is left asleep. ``wake=LAZY``: woken only from a long
+        idle wait; otherwise it finds the work after its current nap of at
+        most ``_LAZY_NAP_S``, or the caller's wait runs it first."""
+        with self._mutex:
             if self._closing:
                 raise CommunicatorClosedError("communicator is closed")
             if self.broken is not None:
                 raise CommunicatorClosedError(f"communicator is broken: {self.broken}")
             self._incoming.append(work)
-            if wake:
+            if wake is LAZY:
+                self._lazy_at = time.monotonic()
+                if self._napping_long:
+                    self._cv.notify()
+            elif wake:
                 self._cv.notify()
 
     def wake(self) -> None:
         """Make the progress thread look at its services now (thread-safe)."""
-        with self._cv:
+        with self._mutex:
             self._woken = True
             self._cv.notify()
 
     def add_service(self, service: Service) -> None:
         """Have the progress thread call ``service.progress()`` every turn."""
-        with self._cv:
+        with self._mutex:
             if self._closing or self.broken is not None:
                 raise CommunicatorClosedError("communicator is closed or broken")
             self._services = self._services + [service]
             self._cv.notify()
 
     def remove_service(self, service: Service) -> None:
-        with self._cv:
+        with self._mutex:
             self._services = [s for s in self._services if s is not service]
 
     # -- progress-thread side, for services -----------------------------------
@@ -261,7 +289,7 @@ class Engine:
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Stop the thread: drain in-flight work (each has a finite deadline), or
         fail it with CommunicatorClosedError when ``cancel``."""
-        with self._cv:
+        with self._mutex:
             self._closing = True
             self._cancel_pending = cancel
             self._cv.notify()
@@ -310,11 +338,14 @@ class Engine:
             busy = self._active or self._waiting or self._services
             if self._incoming or self._closing or not busy or self._drivers:
                 waited = False
-                with self._cv:
+                with self._mutex:
                     while ((self._drivers or not (self._incoming or self._active
                                                   or self._waiting or self._services))
                            and not self._closing):
-                        self._cv.wait(_IDLE_WAIT_S)
+                        lazy = time.monotonic() - self._lazy_at < _LAZY_WINDOW_S
+                        self._napping_long = not lazy
+                        self._cv.wait(_LAZY_NAP_S if lazy else _IDLE_WAIT_S)
+                        self._napping_long = False
                         self._stats["idle_wakeups"] += 1
                         waited = True
                     closing, cancel = self._closing, self._cancel_pending
@@ -339,7 +370,7 @@ class Engine:
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
-                with self._cv:  # a submission or wake() cuts the nap short
+                with self._mutex:  # a submission or wake() cuts the nap short
                     if not self._incoming and not self._woken:
                         self._cv.wait(sleep_s)
                     self._woken = False
@@ -357,7 +388,7 @@ class Engine:
 
     def _take_incoming(self) -> None:
         if self._incoming:
-            with self._cv:
+            with self._mutex:
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
 
@@ -390,11 +421,14 @@ class Engine:
         ``_driver`` lock) and the same submission order, as MPI libraries do
         when the waiter drives progress.
         """
-        if threading.current_thread() is self._thread or handle.done:
+        if handle.done or threading.get_ident() == self._thread.ident:
+            return
+        self.nudge(handle)
+        if handle.done:
             return
         registered = False
         try:
-            with self._cv:
+            with self._mutex:
                 if self._closing or self._stopped:
                     return
                 self._drivers += 1
@@ -411,7 +445,7 @@ class Engine:
                     idle_since = now
         finally:
             if registered:
-                with self._cv:
+                with self._mutex:
                     self._drivers -= 1
                     if self._active or self._waiting or self._incoming or self._services:
                         self._cv.notify()  # work remains in flight: the thread resumes
@@ -440,27 +474,41 @@ class Engine:
                 or self.broken is not None):
             self._driver.release()
             return NOT_INLINE
+        self._inline_runs += 1
+        try:
+            late = self._run_here(program, data, seq, deadline, _SPIN_S, work_of, work_args)
+            if late is None:
+                program.runs += 1  # counted by statistics(): the per-call path stays lean
+            return late
+        finally:
+            self._inline_runs -= 1
+            self._driver.release()
+
+    def _run_here(self, program: Program, data: np.ndarray, seq: int, deadline: float,
+                  patience: float, work_of: Callable[..., Work],
+                  work_args: tuple[Any, ...]) -> Handle | None:
+        """The body of :meth:`run_inline`, with ``_driver`` held: run
+        ``program`` here, handing it to the engine once a wait took longer
+        than ``patience``. None when done (the caller counts the run), else
+        the engine's Handle."""
         state: ProgramRun | None = None
         run: _Run | None = None
         line: StraightLine | None = None
-        self._inline_runs += 1
         schedule = program.schedule
         try:
             line = program.line
             if line is not None:
                 if program.scratch is None:
                     program.prepare()
-                stopped = line.run(data, self._tag_base(seq), deadline, _SPIN_S)
+                stopped = line.run(data, self._tag_base(seq), deadline, patience)
                 if stopped is None:
-                    program.runs += 1  # counted by statistics(), not in finally
                     return None
                 outcome, point = stopped
                 state, line = line.state(data, point), None
             else:
                 state = program.start(data)
-                outcome = state.execute(self._transport, CHANNEL_DATA, seq, deadline, _SPIN_S)
+                outcome = state.execute(self._transport, CHANNEL_DATA, seq, deadline, patience)
                 if outcome == DONE:
-                    program.runs += 1
                     state = None
                     return None
             work = work_of(*work_args)
@@ -484,7 +532,7 @@ class Engine:
                 self._owners.append((run, i))
             self._stats["inline_handed_over"] += 1
             handle, run = work.handle, None  # handed over: the engine owns it now
-            with self._cv:
+            with self._mutex:
                 self._cv.notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
@@ -503,8 +551,72 @@ class Engine:
                 stats["messages_received"] += received
                 stats["bytes_received"] += bytes_received
                 stats["local_ops"] += local
+
+    def nudge(self, handle: Handle) -> None:
+        """Start ``handle``'s work here if it is a small one queued alone
+        (submitted with ``wake=LAZY``) and no one is driving: what a waiter
+        does first, and what Handle.test() does, as MPI_Test progresses."""
+        if (self._incoming and self._incoming[0].handle is handle
+                and threading.get_ident() != self._thread.ident):
+            self._drive_once(self._start_first)
+
+    def _start_first(self) -> bool:
+        """drive_until's shortcut for the waiter of the only work queued (a
+        small non-blocking call, waited on before anything else came): start
+        it here, as a turn would, without the turn's other checks."""
+        if (self._active or self._waiting or self._services or self._requests
+                or self._closing or self.broken is not None):
+            return False
+        with self._mutex:
+            if len(self._incoming) != 1 or self._incoming[0].program is None:
+                return False
+            work = self._incoming.popleft()
+        self._start_here(work)
+        return True
+
+    def _start_here(self, work: Work) -> None:
+        """Start ``work`` (one small stage with a straight line, taken off
+        ``_waiting``) by running it here, with ``_driver`` held: a small
+        non-blocking collective then costs what a blocking one does instead
+        of the dataflow executor's turns. A wait longer than
+        ``_STRAIGHT_PATIENCE_S`` hands it to the executor, so other work waits
+        at most that long."""
+        stage = work.stages[0]
+        self._inline_runs += 1
+        try:
+            late = self._run_here(work.program, stage.arrays[DATA], work.seq, work.deadline,
+                                  _STRAIGHT_PATIENCE_S, lambda: work, ())
+        except BaseException as exc:  # the collective's error, for its waiter
+            if isinstance(exc, WagmaError):
+                error: BaseException = exc
+            else:
+                error = TransportError(f"{work.collective} (round {work.seq}): "
+                                       f"{type(exc).__name__}: {exc}")
+            if work.on_complete is not None:
+                work.on_complete(None, error)
+            work.handle._complete(None, error)
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C on a driving waiter stays Ctrl-C
+            return
+        finally:
             self._inline_runs -= 1
-            self._driver.release()
+        if late is not None:
+            return  # the executor goes on with it (and runs on_done)
+        result, error = work.result, None
+        if stage.on_done is not None:
+            try:
+                stage.on_done()
+            except WagmaError as exc:
+                result, error = None, exc
+        # Counted now, not in program.runs: the engine may have forgotten
+        # the program since the work was queued (its runs would be lost).
+        _add_program_counts(self._stats, work.program, 1)
+        if error is not None:  # failed by its check, as the executor counts it
+            self._stats["completed"] -= 1
+            self._stats["failed"] += 1
+        if work.on_complete is not None:
+            work.on_complete(result, error)
+        work.handle._complete(result, error)
 
     def program(self, schedule: Schedule, dtype: DType) -> Program:
         """The inline form of ``schedule`` over ``dtype`` (made once and
@@ -601,9 +713,9 @@ class Engine:
         window = self._transport.seq_window
         while self._waiting:
             work = self._waiting[0]
-            oldest = min((r.work.seq for r in self._active if r.work.space == work.space),
-                         default=work.seq)
-            if work.seq - oldest >= window:
+            if self._active and work.seq - min(
+                    (r.work.seq for r in self._active if r.work.space == work.space),
+                    default=work.seq) >= window:
                 break  # would reuse a live message identity: wait
             if work.requires and not all(map(self._transport.has_group, work.requires)):
                 if self._setup_pending(work.requires):
@@ -615,10 +727,13 @@ class Engine:
                     "that set it up failed"))
                 continue
             self._waiting.popleft()
+            started = True
+            if work.program is not None and not self._active:
+                self._start_here(work)
+                continue
             run = _Run(work)
             self._active.append(run)
             self._enter_stage(run, 0)
-            started = True
         return started
 
     def _setup_pending(self, groups: tuple[tuple[int, ...], ...]) -> bool:
@@ -855,7 +970,7 @@ class Engine:
         self._stop_services(error)
 
     def _stop_services(self, error: WagmaError) -> None:
-        with self._cv:
+        with self._mutex:
             services, self._services = self._services, []
         for service in services:
             service.fail(error)

@@ -1,0 +1,136 @@
+"""Small non-blocking collectives (at most INLINE_MAX_BYTES): queued without
+waking the progress thread (Engine.submit(wake=LAZY)), run straight through
+by whoever starts them first (the waiter, Handle.test(), or the progress
+thread after its nap), and handed to the engine's executor when a peer is
+late. Results, progress without any call into the library, test() as a
+progress call, hand-over, timeouts and submission order."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import wagma_comm
+from wagma_comm.runtime import engine as engine_mod
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+def _total(dtype: type = np.float64) -> np.ndarray:
+    return np.asarray(sum(r + 1 for r in range(SIZE)), dtype)
+
+
+def _enter_lazy_window(comm: wagma_comm.Communicator) -> None:
+    """One small non-blocking call waited on at once: from now on the idle
+    progress thread naps for at most _LAZY_NAP_S."""
+    comm.allreduce(np.ones(2), async_op=True).wait()
+
+
+def test_many_outstanding_complete_in_any_wait_order(comm: wagma_comm.Communicator) -> None:
+    """Sixteen calls of mixed dtypes, ops and collectives in flight at once,
+    waited on in reverse order: every result is right."""
+    calls = []
+    group_size = min(2, SIZE)
+    for i in range(16):
+        dtype = (np.float32, np.float64, np.int32, np.int64)[i % 4]
+        buf = np.full(1 + i, RANK + 1, dtype)
+        if i % 3 == 2:
+            calls.append((buf, comm.group_allreduce(buf, group_size, i, op="sum",
+                                                    async_op=True),
+                          sum(r + 1 for r in comm.group_of(group_size, i))))
+        elif i % 3 == 1:
+            calls.append((buf, comm.allreduce(buf, "max", async_op=True), SIZE))
+        else:
+            calls.append((buf, comm.allreduce(buf, async_op=True), _total()))
+    for buf, handle, expected in reversed(calls):
+        assert handle.wait() is buf
+        np.testing.assert_array_equal(buf, np.full(buf.size, expected, buf.dtype))
+
+
+@pytest.mark.parametrize("idle", ["in the lazy window", "after a long idle"])
+def test_progresses_without_any_call_into_the_library(
+        comm: wagma_comm.Communicator, monkeypatch: pytest.MonkeyPatch, idle: str) -> None:
+    """No rank waits or tests for half a second, and the call still completes:
+    the progress thread starts it after its short nap, or is woken for it
+    from a long idle wait (which here would last 30 s)."""
+    if idle == "in the lazy window":
+        _enter_lazy_window(comm)
+        monkeypatch.setattr(engine_mod, "_LAZY_NAP_S", 0.05)
+    else:
+        monkeypatch.setattr(engine_mod, "_LAZY_WINDOW_S", 0.0)
+        monkeypatch.setattr(engine_mod, "_IDLE_WAIT_S", 30.0)
+        time.sleep(1.2)  # the thread's current 1 s wait ends; it now waits 30 s
+    buf = np.full(3, RANK + 1.0)
+    handle = comm.allreduce(buf, async_op=True)
+    time.sleep(0.5)
+    assert handle.done, f"not started without a wait ({idle})"
+    handle.wait()
+    np.testing.assert_array_equal(buf, np.full(3, _total()))
+
+
+def test_test_starts_the_call(comm: wagma_comm.Communicator,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Handle.test() progresses a queued call, as MPI_Test does: with the
+    progress thread napping for 30 s, polling test() alone completes it."""
+    _enter_lazy_window(comm)
+    monkeypatch.setattr(engine_mod, "_LAZY_NAP_S", 30.0)
+    time.sleep(0.05)  # the thread's current nap (at most 5 ms) ends: it naps 30 s
+    buf = np.full(2, RANK + 1.0)
+    handle = comm.allreduce(buf, async_op=True)
+    give_up = time.monotonic() + 10.0
+    while not handle.test():
+        assert time.monotonic() < give_up, "test() never started the call"
+        time.sleep(0.001)
+    np.testing.assert_array_equal(buf, np.full(2, _total()))
+
+
+def test_late_peer_hands_the_call_to_the_engine(comm: wagma_comm.Communicator) -> None:
+    if SIZE == 1:
+        pytest.skip("a late peer needs two ranks")
+    before = comm.statistics()["inline_handed_over"]
+    if RANK == SIZE - 1:
+        time.sleep(0.3)  # far beyond the straight run's patience (1 ms)
+    buf = np.full(5, RANK + 1, np.float32)
+    comm.allreduce(buf, async_op=True).wait()
+    np.testing.assert_array_equal(buf, np.full(5, _total(np.float32)))
+    if RANK == 0:
+        assert comm.statistics()["inline_handed_over"] > before
+
+
+def test_blocking_call_behind_a_small_async_one(comm: wagma_comm.Communicator) -> None:
+    """Submission order is kept: the blocking call waits behind the queued
+    non-blocking one (never inline ahead of it), and both are right."""
+    first = np.full(4, RANK + 1.0)
+    handle = comm.allreduce(first, async_op=True)
+    second = np.full(3, RANK + 1, np.int64)
+    comm.allreduce(second, "max")
+    np.testing.assert_array_equal(second, np.full(3, SIZE, np.int64))
+    handle.wait()
+    np.testing.assert_array_equal(first, np.full(4, _total()))
+
+
+@pytest.mark.parametrize("timeout", [0.0005, 0.5], ids=["expires-running", "after-hand-over"])
+def test_timeout_names_the_missing_ranks(timeout: float) -> None:
+    """Rank 0 calls alone. A deadline shorter than the straight run's
+    patience expires in the run itself; a longer one after the engine took
+    over. Either way the error names the collective, its round and the
+    ranks that never took part."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    c = wagma_comm.init(timeout=30)
+    c.barrier()  # round 0
+    if RANK == 0:
+        handle = c.allreduce(np.ones(2, np.float32), async_op=True, timeout=timeout)
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            handle.wait()
+        err = info.value
+        assert err.collective == "allreduce" and err.round == 1
+        assert err.ranks and set(err.ranks) <= set(range(1, SIZE))
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(2, np.float32), async_op=True)
+    WORLD.Barrier()
+    c.close(cancel=True)
