@@ -690,7 +690,7 @@ class Communicator:
         lazy = (async_op and len(stages) == 1 and not requires
                 and data.nbytes <= INLINE_MAX_BYTES)
         handle = Handle(collective, seq, now + timeout, engine.alive, engine.drive_until,
-                        engine.nudge if lazy else None)
+                        engine.nudge)
         work = Work(seq, collective, handle, stages, now + timeout, timeout,
                     result=value, keepalive=keepalive, requires=requires, creates=creates,
                     on_complete=self._setup_failed(creates) if creates else None,
@@ -707,7 +707,7 @@ class Communicator:
         call of _submit)."""
         stage = Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done)
         handle = Handle(collective, seq, now + timeout, self._engine.alive,
-                        self._engine.drive_until)
+                        self._engine.drive_until, self._engine.nudge)
         return Work(seq, collective, handle, [stage], now + timeout, timeout,
                     result=value, keepalive=buffer)
 

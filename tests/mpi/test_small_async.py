@@ -134,3 +134,38 @@ def test_timeout_names_the_missing_ranks(timeout: float) -> None:
             c.allreduce(np.ones(2, np.float32), async_op=True)
     WORLD.Barrier()
     c.close(cancel=True)
+
+
+@pytest.mark.parametrize("kind", ["small", "large", "wagma"])
+def test_a_test_polling_loop_completes_without_the_progress_thread(
+        comm: wagma_comm.Communicator, kind: str) -> None:
+    """A thread polling test() in a tight loop holds the GIL; with a switch
+    interval of 30 s the progress thread cannot take it back, so the call
+    completes only because test() itself turns the engine (MPI_Test
+    semantics): a small call, a large one (the engine's executor) and a
+    persistent collective's round (a service of the engine)."""
+    import sys
+
+    from wagma_comm.comm import INLINE_MAX_BYTES
+
+    count = 3 if kind != "large" else INLINE_MAX_BYTES // 8 + 1
+    buf = np.full(count, RANK + 1.0)
+    wagma = (comm.wait_avoiding_group_allreduce(np.zeros(count), 1, sync_every=1)
+             if kind == "wagma" else None)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        handle = (wagma.step(buf, async_op=True) if wagma is not None
+                  else comm.allreduce(buf, async_op=True))
+        give_up = time.monotonic() + 10.0
+        while not handle.test():
+            if time.monotonic() > give_up:
+                break
+    finally:
+        sys.setswitchinterval(switch)
+    assert handle.done, f"a test() loop did not complete the {kind} call in 10 s"
+    handle.wait()
+    expected = _total() / SIZE if kind == "wagma" else _total()  # sync_every=1: the mean
+    np.testing.assert_array_equal(buf, np.full(count, expected))
+    if wagma is not None:
+        wagma.close()

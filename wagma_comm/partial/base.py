@@ -262,7 +262,10 @@ class PartialCollective:
     def _new_call(self, kind: str, t: int, data: np.ndarray | None, owner: Any,
                   staleness: int) -> _Call:
         deadline = time.monotonic() + self.timeout
-        handle = Handle(self.kind, t, deadline, self._engine.alive)
+        # test() turns the engine (and so this collective's service), as the
+        # communicator's handles do: a polling loop otherwise starves the
+        # progress thread of the GIL.
+        handle = Handle(self.kind, t, deadline, self._engine.alive, nudge=self._engine.nudge)
         return _Call(kind, t, data, owner, handle, deadline, staleness)
 
     def _final_call(self, kind: str, data: np.ndarray | None, owner: Any) -> _Call:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from _thread import allocate_lock
 from typing import Any, Callable
@@ -41,7 +42,7 @@ class Handle:
         self._engine_alive = engine_alive
         # Engine.drive_until: a waiter first lends its thread to the engine.
         self._drive = drive
-        # Engine.nudge: test() starts a lazily queued small call (wake=LAZY).
+        # Engine.nudge: test() runs a turn of the engine, as MPI_Test does.
         self._nudge = nudge
         self.started = time.monotonic()
         self.finished: float | None = None
@@ -74,9 +75,10 @@ class Handle:
         """Non-blocking: True if finished. Raises the collective's error if it
         failed, so a polling loop cannot miss a failure."""
         if not self._done:
-            if self._nudge is None:
-                return False
-            self._nudge(self)
+            if self._nudge is not None:
+                self._nudge(self)  # Engine.nudge: a turn of the engine, as MPI_Test
+            else:
+                os.sched_yield()  # a polling loop lets the progress thread have the GIL
             if not self._done:
                 return False
         if self._error is not None:
