@@ -7,7 +7,9 @@ progress call, hand-over, timeouts and submission order."""
 
 from __future__ import annotations
 
+import random
 import time
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +24,38 @@ RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 def _total(dtype: type = np.float64) -> np.ndarray:
     return np.asarray(sum(r + 1 for r in range(SIZE)), dtype)
+
+
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequence numbers of the collectives as they start, on any thread:
+    straight and inline runs (Engine._run_here) and executor runs (their
+    first stage)."""
+    started: list[int] = []
+    run_here, enter_stage = engine_mod.Engine._run_here, engine_mod.Engine._enter_stage
+
+    def recording_run_here(self: Any, program: Any, data: Any, seq: int, *rest: Any) -> Any:
+        started.append(seq)
+        return run_here(self, program, data, seq, *rest)
+
+    def recording_enter_stage(self: Any, run: Any, index: int) -> None:
+        if index == 0:
+            started.append(run.work.seq)
+        enter_stage(self, run, index)
+
+    monkeypatch.setattr(engine_mod.Engine, "_run_here", recording_run_here)
+    monkeypatch.setattr(engine_mod.Engine, "_enter_stage", recording_enter_stage)
+    return started
+
+
+@pytest.fixture
+def napping(comm: wagma_comm.Communicator, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests that change the progress thread's naps: afterwards the
+    constants are restored and the thread is woken from a nap still running
+    with the changed length."""
+    yield
+    monkeypatch.undo()
+    comm._engine.wake()
 
 
 def _enter_lazy_window(comm: wagma_comm.Communicator) -> None:
@@ -53,7 +87,8 @@ def test_many_outstanding_complete_in_any_wait_order(comm: wagma_comm.Communicat
 
 @pytest.mark.parametrize("idle", ["in the lazy window", "after a long idle"])
 def test_progresses_without_any_call_into_the_library(
-        comm: wagma_comm.Communicator, monkeypatch: pytest.MonkeyPatch, idle: str) -> None:
+        comm: wagma_comm.Communicator, monkeypatch: pytest.MonkeyPatch, napping: None,
+        idle: str) -> None:
     """No rank waits or tests for half a second, and the call still completes:
     the progress thread starts it after its short nap, or is woken for it
     from a long idle wait (which here would last 30 s)."""
@@ -73,7 +108,7 @@ def test_progresses_without_any_call_into_the_library(
 
 
 def test_test_starts_the_call(comm: wagma_comm.Communicator,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+                              monkeypatch: pytest.MonkeyPatch, napping: None) -> None:
     """Handle.test() progresses a queued call, as MPI_Test does: with the
     progress thread napping for 30 s, polling test() alone completes it."""
     _enter_lazy_window(comm)
@@ -101,7 +136,8 @@ def test_late_peer_hands_the_call_to_the_engine(comm: wagma_comm.Communicator) -
         assert comm.statistics()["inline_handed_over"] > before
 
 
-def test_blocking_call_behind_a_small_async_one(comm: wagma_comm.Communicator) -> None:
+def test_blocking_call_behind_a_small_async_one(comm: wagma_comm.Communicator,
+                                                starts: list[int]) -> None:
     """Submission order is kept: the blocking call waits behind the queued
     non-blocking one (never inline ahead of it), and both are right."""
     first = np.full(4, RANK + 1.0)
@@ -111,6 +147,46 @@ def test_blocking_call_behind_a_small_async_one(comm: wagma_comm.Communicator) -
     np.testing.assert_array_equal(second, np.full(3, SIZE, np.int64))
     handle.wait()
     np.testing.assert_array_equal(first, np.full(4, _total()))
+    assert len(starts) == 2 and starts[0] < starts[1], starts
+
+
+def test_start_order_is_submission_order(comm: wagma_comm.Communicator,
+                                         starts: list[int]) -> None:
+    """A random mix (the same on every rank) of blocking and non-blocking,
+    small and large calls, waited, polled or left alone a while, in
+    batches waited in a shuffled order: the calls start in the order they
+    were submitted, whichever thread starts them, and every result is
+    right. (Matching tags would make results right in any order; the order
+    is what keeps straight-line runs on different ranks from deadlocking.)"""
+    rng = random.Random(2026)
+    pending: list[tuple[np.ndarray, Any]] = []
+    calls = 0
+    for _ in range(150):
+        buf = np.full(rng.choice([1, 3, 8, 9000]), RANK + 1.0)  # 9000 doubles: not small
+        calls += 1
+        if rng.random() < 0.35:
+            comm.allreduce(buf)
+            np.testing.assert_array_equal(buf, np.full(buf.size, _total()))
+        else:
+            handle = comm.allreduce(buf, async_op=True)
+            pending.append((buf, handle))
+            how = rng.random()
+            if how < 0.3:
+                while not handle.test():
+                    pass
+            elif how < 0.5:
+                time.sleep(rng.random() * 0.002)
+        if len(pending) > 6 or rng.random() < 0.2:
+            rng.shuffle(pending)
+            for buf, handle in pending:
+                handle.wait()
+                np.testing.assert_array_equal(buf, np.full(buf.size, _total()))
+            pending.clear()
+    for buf, handle in pending:
+        handle.wait()
+        np.testing.assert_array_equal(buf, np.full(buf.size, _total()))
+    assert len(starts) == calls
+    assert starts == sorted(starts), [s for i, s in enumerate(starts[1:]) if s < starts[i]]
 
 
 @pytest.mark.parametrize("timeout", [0.0005, 0.5], ids=["expires-running", "after-hand-over"])
@@ -124,9 +200,13 @@ def test_timeout_names_the_missing_ranks(timeout: float) -> None:
     c = wagma_comm.init(timeout=30)
     c.barrier()  # round 0
     if RANK == 0:
+        handed_over = c.statistics()["inline_handed_over"]
         handle = c.allreduce(np.ones(2, np.float32), async_op=True, timeout=timeout)
         with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
             handle.wait()
+        # The short deadline expired in the straight run itself; the long one
+        # after the run was handed to the executor.
+        assert c.statistics()["inline_handed_over"] - handed_over == (timeout > 0.01)
         err = info.value
         assert err.collective == "allreduce" and err.round == 1
         assert err.ranks and set(err.ranks) <= set(range(1, SIZE))

@@ -423,7 +423,7 @@ class Engine:
         """
         if handle.done or threading.get_ident() == self._thread.ident:
             return
-        if self._incoming and self._incoming[0].handle is handle:
+        if self._queued_first(handle):
             self._drive_once(self._start_first)  # its own small call, queued alone
             if handle.done:
                 return
@@ -563,10 +563,18 @@ class Engine:
         (bench/results/async-small-8.txt)."""
         if threading.get_ident() == self._thread.ident:
             return
-        if self._incoming and self._incoming[0].handle is handle:
+        if self._queued_first(handle):
             self._drive_once(self._start_first)
         if not handle.done:
             self._drive_once(self._turn)
+
+    def _queued_first(self, handle: Handle) -> bool:
+        """Whether ``handle``'s work is first in the submission queue (read
+        without the lock: a driver may empty the queue meanwhile)."""
+        try:
+            return self._incoming[0].handle is handle
+        except IndexError:
+            return False
 
     def _start_first(self) -> bool:
         """drive_until's shortcut for the waiter of the only work queued (a
@@ -588,43 +596,42 @@ class Engine:
         non-blocking collective then costs what a blocking one does instead
         of the dataflow executor's turns. A wait longer than
         ``_STRAIGHT_PATIENCE_S`` hands it to the executor, so other work waits
-        at most that long."""
+        at most that long. Unless handed over, its handle is completed
+        whatever happens (a Ctrl-C on a driving waiter is raised after)."""
         stage = work.stages[0]
-        self._inline_runs += 1
+        result: Any = None
+        error: BaseException | None = None
+        handed_over = ran = False
         try:
-            late = self._run_here(work.program, stage.arrays[DATA], work.seq, work.deadline,
-                                  _STRAIGHT_PATIENCE_S, lambda: work, ())
-        except BaseException as exc:  # the collective's error, for its waiter
-            if isinstance(exc, WagmaError):
-                error: BaseException = exc
-            else:
-                error = TransportError(f"{work.collective} (round {work.seq}): "
-                                       f"{type(exc).__name__}: {exc}")
-            if work.on_complete is not None:
-                work.on_complete(None, error)
-            work.handle._complete(None, error)
-            if not isinstance(exc, Exception):
-                raise  # Ctrl-C on a driving waiter stays Ctrl-C
-            return
-        finally:
-            self._inline_runs -= 1
-        if late is not None:
-            return  # the executor goes on with it (and runs on_done)
-        result, error = work.result, None
-        if stage.on_done is not None:
+            self._inline_runs += 1
             try:
+                handed_over = self._run_here(
+                    work.program, stage.arrays[DATA], work.seq, work.deadline,
+                    _STRAIGHT_PATIENCE_S, lambda: work, ()) is not None
+            finally:
+                self._inline_runs -= 1
+            if handed_over:
+                return  # the executor goes on with it (and runs on_done)
+            # Counted now, not in program.runs: the engine may have forgotten
+            # the program since the work was queued (its runs would be lost).
+            _add_program_counts(self._stats, work.program, 1)
+            ran = True
+            if stage.on_done is not None:
                 stage.on_done()
-            except WagmaError as exc:
-                result, error = None, exc
-        # Counted now, not in program.runs: the engine may have forgotten
-        # the program since the work was queued (its runs would be lost).
-        _add_program_counts(self._stats, work.program, 1)
-        if error is not None:  # failed by its check, as the executor counts it
-            self._stats["completed"] -= 1
-            self._stats["failed"] += 1
-        if work.on_complete is not None:
-            work.on_complete(result, error)
-        work.handle._complete(result, error)
+            result = work.result
+        except BaseException as exc:  # the collective's error, for its waiter
+            error = exc if isinstance(exc, WagmaError) else TransportError(
+                f"{work.collective} (round {work.seq}): {type(exc).__name__}: {exc}")
+            if ran:  # failed by its check, as the executor counts it
+                self._stats["completed"] -= 1
+                self._stats["failed"] += 1
+            if not isinstance(exc, Exception):
+                raise  # Ctrl-C on a driving waiter stays Ctrl-C (after the finally)
+        finally:
+            if not handed_over:
+                if work.on_complete is not None:
+                    work.on_complete(result, error)
+                work.handle._complete(result, error)
 
     def program(self, schedule: Schedule, dtype: DType) -> Program:
         """The inline form of ``schedule`` over ``dtype`` (made once and
@@ -736,7 +743,7 @@ class Engine:
                 continue
             self._waiting.popleft()
             started = True
-            if work.program is not None and not self._active:
+            if work.program is not None and not self._active and self.broken is None:
                 self._start_here(work)
                 continue
             run = _Run(work)

@@ -19,10 +19,11 @@ class Handle:
 
     ``wait()`` returns the collective's result (the user's buffer, or what the
     collective defines) or raises the collective's error. Handles complete in any
-    order; each is completed exactly once by the progress thread.
+    order. Each is completed once (a second completion is ignored), by
+    whichever thread drives the engine at the time.
     """
 
-    __slots__ = ("collective", "round", "_pending", "_done", "_result", "_error",
+    __slots__ = ("collective", "round", "_pending", "_claim", "_done", "_result", "_error",
                  "_deadline", "_engine_alive", "_drive", "_nudge", "started", "finished")
 
     def __init__(self, collective: str, round: int, deadline: float,
@@ -35,6 +36,7 @@ class Handle:
         # built on, at a fifth of its cost (small calls make one per call).
         self._pending = allocate_lock()
         self._pending.acquire()
+        self._claim = allocate_lock()  # taken by the one completion that counts
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -49,8 +51,8 @@ class Handle:
 
     # -- progress-thread side ----------------------------------------------
     def _complete(self, result: Any = None, error: BaseException | None = None) -> None:
-        if self._done:
-            return  # completed once already: the first outcome stands
+        if not self._claim.acquire(False):
+            return  # completed already (or being completed): the first outcome stands
         self._result, self._error = result, error
         self.finished = time.monotonic()
         self._done = True
