@@ -565,8 +565,11 @@ class Engine:
             return
         if self._queued_first(handle):
             self._drive_once(self._start_first)
-        if not handle.done:
-            self._drive_once(self._turn)
+        if not handle.done and not self._drive_once(self._turn):
+            # Nothing moved: give the core to a peer, as a waiter's polls do.
+            # Without it, a polling loop at 8 ranks on 2 cores made a 64 KiB
+            # allreduce take 19.5 ms instead of 0.9.
+            os.sched_yield()
 
     def _queued_first(self, handle: Handle) -> bool:
         """Whether ``handle``'s work is first in the submission queue (read
