@@ -423,10 +423,9 @@ class Engine:
         """
         if handle.done or threading.get_ident() == self._thread.ident:
             return
-        if self._queued_first(handle):
-            self._drive_once(self._start_first)  # its own small call, queued alone
-            if handle.done:
-                return
+        self._start_if_first(handle)  # its own small call, queued alone
+        if handle.done:
+            return
         registered = False
         try:
             with self._mutex:
@@ -475,14 +474,12 @@ class Engine:
                 or self.broken is not None):
             self._driver.release()
             return NOT_INLINE
-        self._inline_runs += 1
         try:
             late = self._run_here(program, data, seq, deadline, _SPIN_S, work_of, work_args)
             if late is None:
                 program.runs += 1  # counted by statistics(): the per-call path stays lean
             return late
         finally:
-            self._inline_runs -= 1
             self._driver.release()
 
     def _run_here(self, program: Program, data: np.ndarray, seq: int, deadline: float,
@@ -491,11 +488,12 @@ class Engine:
         """The body of :meth:`run_inline`, with ``_driver`` held: run
         ``program`` here, handing it to the engine once a wait took longer
         than ``patience``. None when done (the caller counts the run), else
-        the engine's Handle."""
+        the engine's Handle. Counted in flight meanwhile (``_inline_runs``)."""
         state: ProgramRun | None = None
         run: _Run | None = None
         line: StraightLine | None = None
         schedule = program.schedule
+        self._inline_runs += 1
         try:
             line = program.line
             if line is not None:
@@ -544,6 +542,7 @@ class Engine:
                 raise
             raise failure from exc
         finally:
+            self._inline_runs -= 1
             if state is not None:
                 sent, bytes_sent, received, bytes_received, local = state.counts()
                 stats = self._stats
@@ -563,21 +562,23 @@ class Engine:
         (bench/results/async-small-8.txt)."""
         if threading.get_ident() == self._thread.ident:
             return
-        if self._queued_first(handle):
-            self._drive_once(self._start_first)
+        self._start_if_first(handle)
         if not handle.done and not self._drive_once(self._turn):
             # Nothing moved: give the core to a peer, as a waiter's polls do.
             # Without it, a polling loop at 8 ranks on 2 cores made a 64 KiB
             # allreduce take 19.5 ms instead of 0.9.
             os.sched_yield()
 
-    def _queued_first(self, handle: Handle) -> bool:
-        """Whether ``handle``'s work is first in the submission queue (read
-        without the lock: a driver may empty the queue meanwhile)."""
+    def _start_if_first(self, handle: Handle) -> None:
+        """Start ``handle``'s work here (:meth:`_start_first`) if it is first
+        in the submission queue (read without the lock: a driver may empty
+        the queue meanwhile)."""
         try:
-            return self._incoming[0].handle is handle
+            first = self._incoming[0].handle is handle
         except IndexError:
-            return False
+            return
+        if first:
+            self._drive_once(self._start_first)
 
     def _start_first(self) -> bool:
         """drive_until's shortcut for the waiter of the only work queued (a
@@ -606,13 +607,9 @@ class Engine:
         error: BaseException | None = None
         handed_over = ran = False
         try:
-            self._inline_runs += 1
-            try:
-                handed_over = self._run_here(
-                    work.program, stage.arrays[DATA], work.seq, work.deadline,
-                    _STRAIGHT_PATIENCE_S, lambda: work, ()) is not None
-            finally:
-                self._inline_runs -= 1
+            handed_over = self._run_here(
+                work.program, stage.arrays[DATA], work.seq, work.deadline,
+                _STRAIGHT_PATIENCE_S, lambda: work, ()) is not None
             if handed_over:
                 return  # the executor goes on with it (and runs on_done)
             # Counted now, not in program.runs: the engine may have forgotten
