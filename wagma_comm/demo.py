@@ -60,10 +60,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--activation", choices=("global", "group"), default="group",
                    help="WAGMA activation scope (docs/partial.md; default group: measured "
                         "faster here, docs/training.md)")
-    p.add_argument("--round-start", choices=("gradient", "iteration"), default="gradient",
-                   help="when a WAGMA rank arrives at its round: once its gradient is "
-                        "ready (its model published at the start of the iteration), or "
-                        "at the start of the iteration (docs/training.md)")
+    p.add_argument("--round-start", choices=("gradient", "iteration", "publish"),
+                   default="gradient",
+                   help="when a WAGMA round starts: at the first member's gradient (models "
+                        "published at the start of the iteration), at the first member's "
+                        "iteration start, or once every member published (docs/training.md)")
     p.add_argument("--shards", choices=("iid", "label"), default="iid",
                    help="iid: a random 1/P of the training set per rank; label: sorted "
                         "by label, so each rank sees only one or two classes")

@@ -140,7 +140,7 @@ def test_initial_weights_come_from_rank_0(comm: Communicator) -> None:
 # -- the WAGMA step, by hand ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("round_start", ["gradient", "iteration"])
+@pytest.mark.parametrize("round_start", ["gradient", "iteration", "publish"])
 def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator,
                                                         round_start: str) -> None:
     """Iteration t on rank i (ALGORITHMS.md s. 2): g = grad at the pre-averaging

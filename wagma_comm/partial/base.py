@@ -129,6 +129,10 @@ class PartialCollective:
         self._app_round = 0
         self._started = -1
         self._completed = -1
+        # The last round started here by this rank's ready publish (start_ready)
+        # that no arrival has activated yet: arriving at it must still send
+        # the activation, or a late member would never be told.
+        self._ready_started = -1
         self._pending: dict[int, _Call] = {}
         self._error: WagmaError | None = None
         self._closed = False
@@ -136,6 +140,7 @@ class PartialCollective:
         self._activated = -1
         self._running = False
         self._sync_arrived: set[int] = set()
+        self._round_work: Work | None = None  # the round in flight
         self._final: _Call | None = None  # a flush or close waiting for its turn
         self._final_count = 0
         self._thresholds: dict[int, int] = {}
@@ -143,6 +148,7 @@ class PartialCollective:
         self._last_sync = -1
         self._token_in = np.zeros(_TOKEN_WORDS, dtype=np.int64)
         self._sending: list[tuple[Any, np.ndarray]] = []
+        self._rung = False  # every peer rings this rank's doorbell with its tokens
         self._id = comm._register_partial()
         prefix = f"p{self._id}."
         self._ch_data, self._ch_ctl = prefix + "data", prefix + "ctl"
@@ -155,6 +161,9 @@ class PartialCollective:
     def _open(self) -> None:
         """Create the channels on every rank, then start listening for tokens."""
         self._comm._open_channels(self.kind, self._channels, self.timeout)
+        # Every token sender rings (``_route``), so between rounds the thread
+        # may sleep on its doorbell if every rank can ring it.
+        self._rung = self._engine.rings(range(self.size))
         self._engine.add_service(self)
         self._inbox.append(("listen", None))
         self._engine.wake()
@@ -177,13 +186,14 @@ class PartialCollective:
                 self._pending[t] = call
             else:
                 late = self._late_result(t)
+            arrive = t > self._started or t == self._ready_started
         if late is not None:  # the round ran without us: answer at once
             try:
                 self._deliver(call, late)
             finally:
                 with self._lock:
                     self._release(late)
-        elif t > self._started_snapshot():
+        elif arrive:
             self._inbox.append(("arrive", t))
             self._engine.wake()
         return call.handle if async_op else call.handle.wait()
@@ -228,7 +238,7 @@ class PartialCollective:
             stats = self.telemetry.as_dict()
             stats.update(kind=self.kind, rank=self.rank, size=self.size,
                          sync_every=self.sync_every, iteration=self._app_round,
-                         completed_round=self._completed,
+                         started_round=self._started, completed_round=self._completed,
                          broken=None if self._error is None else str(self._error))
         stats.update(self._extra_statistics())
         return stats
@@ -308,6 +318,8 @@ class PartialCollective:
                 self._listen()
             elif what == "arrive":
                 self._arrive(arg)
+            elif what == "ready":
+                self._start_ready(arg)
             elif what == "final":
                 self._final = arg
         if self._error is None:
@@ -317,6 +329,9 @@ class PartialCollective:
 
     def busy(self) -> bool:
         return False  # a round in flight is an engine Work; between rounds it listens
+
+    def sleeps_on_bell(self) -> bool:
+        return self._rung and not self._sending and not self._inbox
 
     def fail(self, error: WagmaError) -> None:
         self._engine.cancel_posted(self._on_token)
@@ -340,9 +355,38 @@ class PartialCollective:
     def _arrive(self, t: int) -> None:
         if activation.is_sync_round(t, self.sync_every):
             self._sync_arrived.add(t)
+        elif t <= self._completed:
+            return  # it ran here, so every member took part: nobody to tell
         elif self._activates(t):
             self.telemetry.activated_here += t > self._activated
+            work = self._round_work
+            if work is not None and work.seq == t and work.patient:
+                # A ready start: somebody waits for it now, and its timeout
+                # counts from here, as for a round this arrival activates.
+                work.patient = False
+                work.deadline = time.monotonic() + self.timeout
             self._activate(t, None, self.rank)
+
+    def _start_ready(self, t: int) -> None:
+        """This rank published its final contribution to round ``t``
+        (``publish(ready=True)``): start the round here without telling
+        anyone. It completes once every member has started it, by its own
+        ready publish or by an activation, so when all members publish in
+        time the round runs during their compute and nobody waits; a member
+        that arrives first still activates it (``step`` sends ``arrive``),
+        so a late member is never waited for."""
+        if (t <= self._activated or t <= self._last_sync
+                or activation.is_sync_round(t, self.sync_every)):
+            return  # activated already, or not a group round
+        if any(not activation.is_sync_round(q, self.sync_every)
+               for q in range(self._activated + 1, t)):
+            self._activate(t, None, self.rank)  # skipped rounds need tokens
+            return
+        self.telemetry.ready_starts += 1
+        self._activated = t
+        self._roots[t] = self.rank
+        with self._lock:
+            self._ready_started = t
 
     def _start_due(self) -> bool:
         if self._running:
@@ -414,8 +458,10 @@ class PartialCollective:
         if synchronized:
             stages.append(self._arrival_stage(self._ch_ctl, r, r, None))
         stages.append(self._data_stage(self._ch_data, buf, members, "round data exchange"))
+        with self._lock:
+            patient = r == self._ready_started and r not in self._pending
         self._launch(r, stages, lambda res, err: self._round_done(
-            r, buf, members, step, root, synchronized, err))
+            r, buf, members, step, root, synchronized, err), patient=patient)
 
     def _start_final(self, call: _Call) -> None:
         """A flush or close: synchronous, outside the iteration count."""
@@ -442,12 +488,14 @@ class PartialCollective:
 
     def _launch(self, seq: int, stages: list[Stage],
                 on_complete: Callable[[Any, BaseException | None], None],
-                space: str = "round") -> None:
+                space: str = "round", patient: bool = False) -> None:
         now = time.monotonic()
         handle = Handle(self.kind, seq, now + self.timeout, self._engine.alive)
         self._running = True
-        self._engine.start(Work(seq, self.kind, handle, stages, now + self.timeout,
-                                self.timeout, space=(self, space), on_complete=on_complete))
+        work = Work(seq, self.kind, handle, stages, now + self.timeout, self.timeout,
+                    space=(self, space), on_complete=on_complete, patient=patient)
+        self._round_work = work if space == "round" else None
+        self._engine.start(work)
 
     def _data_stage(self, channel: str, buf: np.ndarray, members: tuple[int, ...],
                     label: str) -> Stage:
@@ -484,6 +532,7 @@ class PartialCollective:
                     step: int | None, root: int | None, synchronized: bool,
                     err: BaseException | None) -> None:
         self._running = False
+        self._round_work = None
         if err is not None:
             self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
             return
@@ -615,6 +664,7 @@ class PartialCollective:
         for k in targets:
             token = np.array([self._id, r, root, self.rank], dtype=np.int64)
             request = self._transport.isend(token, scope[k], self._ch_act, 0, 0)
+            self._engine.ring(scope[k])  # its thread may sleep on its doorbell
             self.telemetry.tokens_sent += 1
             entry = (request, token)
             self._sending.append(entry)

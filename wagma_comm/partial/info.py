@@ -48,6 +48,7 @@ class Telemetry:
     flushes: int = 0
     activated_here: int = 0
     activated_elsewhere: int = 0
+    ready_starts: int = 0  # rounds started here by a ready publish
     tokens_sent: int = 0
     tokens_received: int = 0
     fresh_contributions: int = 0
@@ -88,6 +89,7 @@ class Telemetry:
             "flushes": self.flushes,
             "activated_here": self.activated_here,
             "activated_elsewhere": self.activated_elsewhere,
+            "ready_starts": self.ready_starts,
             "tokens_sent": self.tokens_sent,
             "tokens_received": self.tokens_received,
             "fresh_contributions": self.fresh_contributions,

@@ -62,17 +62,29 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         self._published_round = -1
         self._latest: Result | None = None
 
-    def publish(self, buf: Any) -> None:
+    def publish(self, buf: Any, *, ready: bool = False) -> None:
         """Make ``buf`` (copied now) this rank's contribution to its next round
         without arriving at it: a round a peer starts before this rank's
         :meth:`step` uses it and counts it fresh. ``step`` publishes its own
         buffer again. Why: in WAGMA-SGD the model is final before the gradient
         is computed, so it can be handed over while the application computes
-        (docs/partial.md, the ``publish`` entry of the WAGMA section)."""
+        (docs/partial.md, the ``publish`` entry of the WAGMA section).
+
+        ``ready=True`` also promises that this is the contribution (no later
+        publish before the step changes it): the round then starts here at
+        once, and runs as soon as every member of its group has started it
+        (by a ready publish of its own, or by an arrival's activation), so
+        when the whole group publishes in time the round finishes during the
+        compute and the steps return without waiting. Group rounds only; a
+        synchronous round still starts at the steps."""
         data, _ = self._check_buf(buf)
         self._check_usable()
         with self._lock:
-            self._contribute(data, self._app_round)
+            t = self._app_round
+            self._contribute(data, t)
+        if ready:
+            self._inbox.append(("ready", t))
+            self._engine.wake(urgent=False)  # found within a short nap, or rung
 
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:

@@ -90,6 +90,8 @@ class Watch:
                 return failed
         for run in runs:
             work = run.work
+            if work.patient:
+                continue  # nobody waits for it yet: no deadline (Work.patient)
             if now > work.deadline:
                 failed.append((run, timeout_error(work, run.stage, run.ops, run.posted)))
             elif not run.warned:

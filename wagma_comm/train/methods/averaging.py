@@ -20,7 +20,7 @@ from ...runtime.activation import is_sync_round
 from . import _resumable
 from .base import MODEL, AveragingInfo, Method, check_int
 
-ROUND_STARTS = ("gradient", "iteration")
+ROUND_STARTS = ("gradient", "iteration", "publish")
 
 
 def default_group_size(size: int) -> int:
@@ -121,9 +121,10 @@ class WagmaSGD(Method):
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
         # A sync round blocks for everyone anyway: arriving early costs nothing.
-        if self.round_start == "gradient" and not is_sync_round(t, self.sync_every):
+        if self.round_start != "iteration" and not is_sync_round(t, self.sync_every):
+            ready = self.round_start == "publish"
             for c, b in zip(self._colls, buffers):
-                c.publish(b)
+                c.publish(b, ready=ready)
             self._buffers = buffers
             return
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
