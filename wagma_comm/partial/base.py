@@ -148,7 +148,6 @@ class PartialCollective:
         self._last_sync = -1
         self._token_in = np.zeros(_TOKEN_WORDS, dtype=np.int64)
         self._sending: list[tuple[Any, np.ndarray]] = []
-        self._rung = False  # every peer rings this rank's doorbell with its tokens
         self._id = comm._register_partial()
         prefix = f"p{self._id}."
         self._ch_data, self._ch_ctl = prefix + "data", prefix + "ctl"
@@ -161,9 +160,6 @@ class PartialCollective:
     def _open(self) -> None:
         """Create the channels on every rank, then start listening for tokens."""
         self._comm._open_channels(self.kind, self._channels, self.timeout)
-        # Every token sender rings (``_route``), so between rounds the thread
-        # may sleep on its doorbell if every rank can ring it.
-        self._rung = self._engine.rings(range(self.size))
         self._engine.add_service(self)
         self._inbox.append(("listen", None))
         self._engine.wake()
@@ -329,9 +325,6 @@ class PartialCollective:
 
     def busy(self) -> bool:
         return False  # a round in flight is an engine Work; between rounds it listens
-
-    def sleeps_on_bell(self) -> bool:
-        return self._rung and not self._sending and not self._inbox
 
     def fail(self, error: WagmaError) -> None:
         self._engine.cancel_posted(self._on_token)
@@ -664,7 +657,6 @@ class PartialCollective:
         for k in targets:
             token = np.array([self._id, r, root, self.rank], dtype=np.int64)
             request = self._transport.isend(token, scope[k], self._ch_act, 0, 0)
-            self._engine.ring(scope[k])  # its thread may sleep on its doorbell
             self.telemetry.tokens_sent += 1
             entry = (request, token)
             self._sending.append(entry)

@@ -64,14 +64,6 @@ _IDLE_WAIT_S = 1.0
 _LAZY_NAP_S = 5e-3
 _LAZY_WINDOW_S = 0.1
 LAZY = "lazy"  # submit(wake=LAZY)
-# A thread that only listens, for tokens its peers ring for (Service.
-# sleeps_on_bell), sleeps on the doorbell (transport/doorbell.py) this long
-# at most instead of polling every _MAX_SLEEP_S: the safety net of a lost ring.
-_BELL_NAP_S = 0.05
-# ... but only after this long without progress: within it, tokens follow one
-# another (a round every iteration), and a polled thread answers sooner than
-# a rung one on an oversubscribed host (docs/partial.md, "Listening costs").
-_BELL_AFTER_S = float(os.environ.get("WAGMA_BELL_AFTER_US", "20000")) * 1e-6
 # How long a small non-blocking call run straight through (Engine._start_here)
 # waits on a late peer before the executor takes it over: the thread running
 # it (the progress thread, or a waiter driving) serves nothing else meanwhile.
@@ -149,11 +141,6 @@ class Service(Protocol):
         """Whether it has operations in flight (the thread then spins as for
         submitted work) rather than only listening."""
 
-    def sleeps_on_bell(self) -> bool:
-        """Whether all it waits for now comes with a doorbell ring (tokens
-        from peers that ring, its application's wake()), so the thread may
-        sleep on the bell instead of polling."""
-
 
 class _Run:
     """Execution state of the current stage of one Work."""
@@ -219,8 +206,6 @@ class Engine:
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
         self._woken = False
-        self._bell = transport.doorbell
-        self._bell_napping = False  # the thread sleeps on the bell, not on _cv
         self._lazy_at = -_LAZY_WINDOW_S  # when the last LAZY submission came
         self._napping_long = False  # the thread sleeps up to _IDLE_WAIT_S
         # One thread at a time drives the engine: the progress thread, or an
@@ -236,7 +221,7 @@ class Engine:
         self._stats = {"completed": 0, "failed": 0, "messages_sent": 0,
                        "messages_received": 0, "bytes_sent": 0, "bytes_received": 0,
                        "local_ops": 0, "polls": 0, "idle_wakeups": 0,
-                       "inline": 0, "inline_handed_over": 0, "bell_naps": 0}
+                       "inline": 0, "inline_handed_over": 0}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -264,41 +249,15 @@ class Engine:
             if wake is LAZY:
                 self._lazy_at = time.monotonic()
                 if self._napping_long:
-                    self._notify()
+                    self._cv.notify()
             elif wake:
-                self._notify()
+                self._cv.notify()
 
-    def wake(self, urgent: bool = True) -> None:
-        """Make the progress thread look at its services now (thread-safe).
-        ``urgent=False`` spares a thread in a short nap the wake-up (it looks
-        within ``_MAX_SLEEP_S`` anyway) and wakes only one asleep on its bell."""
+    def wake(self) -> None:
+        """Make the progress thread look at its services now (thread-safe)."""
         with self._mutex:
             self._woken = True
-            if urgent:
-                self._notify()
-            elif self._bell_napping:
-                self._ring_self()
-
-    def _notify(self) -> None:
-        """(under ``_mutex``) Wake the progress thread wherever it sleeps."""
-        self._cv.notify()
-        if self._bell_napping:
-            self._ring_self()
-
-    def _ring_self(self) -> None:
-        assert self._bell is not None
-        self._bell_napping = False  # one ring is enough
-        self._bell.ring_self()
-
-    def ring(self, rank: int) -> None:
-        """Wake ``rank``'s progress thread if it sleeps on its bell: a service
-        calls it after sending that rank a message it waits for idle (a token)."""
-        if self._bell is not None:
-            self._bell.ring(rank)
-
-    def rings(self, ranks: Any) -> bool:
-        """Whether every rank in ``ranks`` can wake this one by :meth:`ring`."""
-        return self._bell is not None and self._bell.covers(ranks)
+            self._cv.notify()
 
     def add_service(self, service: Service) -> None:
         """Have the progress thread call ``service.progress()`` every turn."""
@@ -306,7 +265,7 @@ class Engine:
             if self._closing or self.broken is not None:
                 raise CommunicatorClosedError("communicator is closed or broken")
             self._services = self._services + [service]
-            self._notify()
+            self._cv.notify()
 
     def remove_service(self, service: Service) -> None:
         with self._mutex:
@@ -338,7 +297,7 @@ class Engine:
         with self._mutex:
             self._closing = True
             self._cancel_pending = cancel
-            self._notify()
+            self._cv.notify()
         self._thread.join(timeout)
 
     def in_flight(self) -> int:
@@ -415,37 +374,12 @@ class Engine:
                 idle_since, sleep_s = time.monotonic(), 0.0
             elif self._keep_spinning(time.monotonic() - idle_since):
                 os.sched_yield()  # releases the GIL and lets a peer rank run
-            elif (time.monotonic() - idle_since > _BELL_AFTER_S
-                  and self._bell_nap_allowed()):
-                self._bell_nap()
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
                 with self._mutex:  # a submission or wake() cuts the nap short
                     if not self._incoming and not self._woken:
                         self._cv.wait(sleep_s)
                     self._woken = False
-
-    def _bell_nap_allowed(self) -> bool:
-        """Only listening: nothing in flight or queued, and every service
-        waits only for what its peers ring for."""
-        return (self._bell is not None and not self._active and not self._waiting
-                and not self._drivers and bool(self._services)
-                and all(service.sleeps_on_bell() for service in self._services))
-
-    def _bell_nap(self) -> None:
-        """Sleep on the doorbell until a peer or this process rings, or
-        ``_BELL_NAP_S``. The flag is set under ``_mutex``, so a submission
-        after it rings (and the ring waits in the socket: none is lost)."""
-        assert self._bell is not None
-        with self._mutex:
-            nap = not self._incoming and not self._woken and not self._closing
-            self._bell_napping = nap
-            self._woken = False
-        if nap:
-            self._stats["bell_naps"] += 1
-            self._bell.sleep(_BELL_NAP_S)
-            with self._mutex:
-                self._bell_napping = False
 
     def _fail_patient(self) -> None:
         """Closing: a round nobody waited for (``Work.patient``) has no
@@ -529,7 +463,7 @@ class Engine:
                 with self._mutex:
                     self._drivers -= 1
                     if self._active or self._waiting or self._incoming or self._services:
-                        self._notify()  # work remains in flight: the thread resumes
+                        self._cv.notify()  # work remains in flight: the thread resumes
 
     # -- inline runs: small blocking collectives -------------------------------
     def run_inline(self, program: Program, data: np.ndarray, seq: int,
@@ -613,7 +547,7 @@ class Engine:
             self._stats["inline_handed_over"] += 1
             handle, run = work.handle, None  # handed over: the engine owns it now
             with self._mutex:
-                self._notify()  # the progress thread goes on if no one drives
+                self._cv.notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
             if line is not None and state is None:  # the straight line raised

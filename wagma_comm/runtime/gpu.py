@@ -96,9 +96,6 @@ class GpuQueue:
     def busy(self) -> bool:
         return bool(self._queue or self._in_flight)
 
-    def sleeps_on_bell(self) -> bool:
-        return not self.busy()  # a submission wakes the engine
-
     # -- progress thread ------------------------------------------------------
     def progress(self) -> bool:
         """Issue what is queued, complete what finished, enforce deadlines.

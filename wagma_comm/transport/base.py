@@ -16,7 +16,6 @@ import numpy as np
 
 from ..dtypes import DType
 from ..errors import TransportError
-from .doorbell import Doorbell
 
 # Channels keep traffic of different purposes apart (each maps to its own
 # duplicated communicator or tag space), so a debug fingerprint can never be
@@ -38,8 +37,6 @@ class Transport(ABC):
     size: int
     # (host, pid) of every rank when the transport knows them (liveness check)
     identities: list[tuple[str, int]] | None = None
-    # Wakes a peer's sleeping progress thread (transport/doorbell.py), if any
-    doorbell: Doorbell | None = None
 
     @property
     @abstractmethod

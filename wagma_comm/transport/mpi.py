@@ -18,7 +18,6 @@ from ..dtypes import DType
 from ..errors import TransportError
 from ..runtime.liveness import identity
 from .base import CHANNELS, MSG_BITS, Transport
-from .doorbell import make_doorbell
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -37,16 +36,9 @@ class MPITransport(Transport):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        # (host, pid) of every rank, for the liveness check, and the address
-        # of its doorbell; init is collective already (the Dup calls above),
-        # so this cannot hang alone.
-        self.doorbell = make_doorbell()
-        everyone = comm.allgather(
-            (identity(), None if self.doorbell is None else self.doorbell.address))
-        self.identities = [ident for ident, _ in everyone]
-        if self.doorbell is not None:
-            self.doorbell.connect(self.rank, [bell for _, bell in everyone],
-                                  [host for (host, _), _ in everyone])
+        # (host, pid) of every rank, for the liveness check; init is
+        # collective already (the Dup calls above), so this cannot hang alone.
+        self.identities = comm.allgather(identity())
         tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
         # Group creation gets a communicator of its own: Create_group's tag
@@ -226,8 +218,6 @@ class MPITransport(Transport):
             pass
 
     def close(self) -> None:
-        if self.doorbell is not None:
-            self.doorbell.close()
         comms = list(self._groups.values()) + list(self._comms.values()) + [self._create_comm]
         for comm in comms:
             try:
