@@ -61,7 +61,7 @@ def add_parser(sub: Any) -> None:
                    help="WAGMA activation scope (docs/partial.md; default group: measured "
                         "faster here, docs/training.md)")
     p.add_argument("--round-start", choices=("gradient", "iteration", "publish"),
-                   default="gradient",
+                   default="publish",
                    help="when a WAGMA round starts: at the first member's gradient (models "
                         "published at the start of the iteration), at the first member's "
                         "iteration start, or once every member published (docs/training.md)")

@@ -186,16 +186,19 @@ def test_wrapper_update_equals_hand_computed_wagma_step(comm: Communicator,
     opt.close()
 
 
-def test_a_rank_still_computing_contributes_its_current_model(comm: Communicator) -> None:
-    """round_start="gradient": the last rank publishes its model at start() and
-    computes (sleeps) long after the others finish theirs, so every round they
-    start runs without its arrival -- yet with its current model, counted
-    fresh. Group of all ranks, plain mean: the fast ranks' result is exact."""
+@pytest.mark.parametrize("round_start", ["gradient", "publish"])
+def test_a_rank_still_computing_contributes_its_current_model(comm: Communicator,
+                                                              round_start: str) -> None:
+    """The last rank publishes its model at start() and computes (sleeps)
+    long after the others finish theirs, so every round runs without its
+    arrival (started by the first fast arrival, or by the ready publishes
+    before anyone arrives) -- yet with its current model, counted fresh.
+    Group of all ranks, plain mean: the fast ranks' result is exact."""
     if SIZE == 1:
         pytest.skip("needs a slow and a fast rank")
     params = [np.full(5, float(RANK))]
     avg = Averager(comm, params, "wagma", group_size=SIZE, sync_every=100,
-                   normalization="mean", activation="group")
+                   normalization="mean", activation="group", round_start=round_start)
     for t in range(3):
         pre = _gather_rows(comm, params[0].copy())
         avg.start(params)

@@ -33,7 +33,7 @@ def test_bad_knobs_raise_before_any_communication() -> None:
         make_method("wagma", normalization="median")
     with pytest.raises(InvalidArgumentError, match="round_start"):
         make_method("wagma", round_start="backward")
-    assert make_method("wagma").round_start == "gradient"  # type: ignore[attr-defined]
+    assert make_method("wagma").round_start == "publish"  # type: ignore[attr-defined]
     m = make_method("wagma", round_start="iteration")
     assert m.round_start == "iteration"  # type: ignore[attr-defined]
     with pytest.raises(InvalidArgumentError, match="seed"):

@@ -31,7 +31,7 @@ METHODS: tuple[str, ...] = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "m
 
 def make_method(name: str | Method, *, group_size: int | None = None, sync_every: int = 10,
                 activation: str = "global", normalization: str = "wagma",
-                round_start: str = "gradient", seed: int = 0, mpi_comm: Any = None) -> Method:
+                round_start: str = "publish", seed: int = 0, mpi_comm: Any = None) -> Method:
     """A method by name, with the knobs that apply to it (the others are ignored,
     so one set of options can drive every method). A :class:`Method` instance
     is returned as is. Knob errors are raised here, before any communication."""

@@ -65,15 +65,20 @@ class WagmaSGD(Method):
     groups, a blocking global mean every ``sync_every`` iterations (after which
     every replica's averaged model is bitwise identical).
 
-    ``round_start`` says when this rank arrives at its round (the first member
-    to arrive starts it; the others' progress threads contribute what they
-    last published):
+    ``round_start`` says when a round starts (the first member to arrive
+    activates it; the others' progress threads contribute what they last
+    published):
 
-    * ``"gradient"`` (default): :meth:`start` only *publishes* the model (it is
-      final before the gradient is computed) and :meth:`finish` arrives. A
-      peer still computing its gradient then contributes its current model,
-      so only a rank a whole iteration behind is stale; the first member to
-      finish its gradient waits for the round's messages.
+    * ``"publish"`` (default): :meth:`start` publishes the model *ready* (it
+      is final before the gradient is computed; ``publish(ready=True)``) and
+      :meth:`finish` arrives. The round runs as soon as every member of the
+      group has published, during the compute, so on-time members do not wait
+      for it at all; a member that has not published when the first one
+      arrives is activated and contributes its previous model.
+    * ``"gradient"``: the same publish without ``ready``: the round starts at
+      the first arrival, so a peer still computing its gradient contributes
+      its current model, but the first member to finish its gradient waits
+      for the round's messages.
     * ``"iteration"``: :meth:`start` publishes and arrives at once, so the
       round runs during this rank's compute, but a peer that has not yet
       finished its previous iteration contributes that iteration's model.
@@ -85,7 +90,7 @@ class WagmaSGD(Method):
 
     def __init__(self, group_size: int | None = None, sync_every: int = 10, *,
                  activation: str = "global", normalization: str = "wagma",
-                 round_start: str = "gradient") -> None:
+                 round_start: str = "publish") -> None:
         super().__init__()
         self.group_size = None if group_size is None else check_int("group_size", group_size, 1)
         self.sync_every = check_int("sync_every", sync_every, 1)
