@@ -68,6 +68,9 @@ LAZY = "lazy"  # submit(wake=LAZY)
 # waits on a late peer before the executor takes it over: the thread running
 # it (the progress thread, or a waiter driving) serves nothing else meanwhile.
 _STRAIGHT_PATIENCE_S = 1e-3
+# How long a blocking call waits for the progress thread to finish its turn
+# before it queues instead of running inline.
+_DRIVER_WAIT_S = 1e-3
 
 NOT_INLINE = object()  # what run_inline returns when the engine was not idle
 
@@ -471,7 +474,7 @@ class Engine:
                    work_args: tuple[Any, ...]) -> Handle | None | object:
         """Run a collective (``program``, from :meth:`program`, over ``data``
         on the data channel) on the calling thread if the engine is idle:
-        nothing queued, in flight or registered. Returns NOT_INLINE (having
+        nothing queued or in flight (services may listen). Returns NOT_INLINE (having
         done nothing) if it is not; None when the run finished here; or the
         Handle of the Work (``work_of(*work_args)``: one stage, that
         schedule; made only then) it handed to the engine because a peer was
@@ -479,18 +482,24 @@ class Engine:
         in the engine itself). Call it under the communicator's submission
         lock, so no later collective can start first; it holds the driver
         lock while it runs and releases it whatever happens."""
-        if not self._driver.acquire(blocking=False):
+        # The progress thread holds the driver only for a turn (tens of us)
+        # when nothing is in flight, e.g. while a partial collective listens.
+        if not self._driver.acquire(timeout=_DRIVER_WAIT_S):
             return NOT_INLINE
         # Read without _cv: submissions append under the communicator's lock
         # (held by our caller) and the progress thread's under _driver (ours
         # now); a service added meanwhile just waits for the release.
-        if (self._incoming or self._waiting or self._active or self._services
-                or self._requests or self._closing or self._stopped
-                or self.broken is not None):
+        if (self._incoming or self._waiting or self._active or self._closing
+                or self._stopped or self.broken is not None):
             self._driver.release()
             return NOT_INLINE
+        # A service (a partial collective listening for tokens) is not polled
+        # while this runs: hand over after _STRAIGHT_PATIENCE_S, as a small
+        # non-blocking call does, rather than after the full spin. With no
+        # work in flight its posted listeners are the only requests.
+        patience = _STRAIGHT_PATIENCE_S if self._services or self._requests else _SPIN_S
         try:
-            late = self._run_here(program, data, seq, deadline, _SPIN_S, work_of, work_args)
+            late = self._run_here(program, data, seq, deadline, patience, work_of, work_args)
             if late is None:
                 program.runs += 1  # counted by statistics(): the per-call path stays lean
             return late
