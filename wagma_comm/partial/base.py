@@ -281,10 +281,6 @@ class PartialCollective:
         self._engine.wake()
         return call
 
-    def _started_snapshot(self) -> int:
-        with self._lock:
-            return self._started
-
     def _info(self, call: _Call, res: Result) -> RoundInfo:
         return RoundInfo(round=res.round, step=res.step, group=res.group,
                          activator=res.activator, fresh=res.fresh,

@@ -173,8 +173,9 @@ class WagmaSGD(Method):
 class ADPSGD(WagmaSGD):
     """AD-PSGD as feasible here: wait-avoiding *pairwise* model averaging
     (groups of 2, plain mean) with a partner that rotates every iteration (the
-    shifting groups: r XOR 2**s), activated by the first of the pair to arrive,
-    and no global sync. The partner's progress thread answers with its last
+    shifting groups: r XOR 2**s), run once both have published their models
+    ready or activated by the first of the pair to arrive (the default
+    ``round_start``), and no global sync. The partner's progress thread answers with its last
     published model while its application computes, as in AD-PSGD; unlike
     AD-PSGD the pairs of an iteration are fixed in advance."""
 
