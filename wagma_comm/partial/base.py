@@ -145,6 +145,7 @@ class PartialCollective:
         self._running = False
         self._sync_arrived: set[int] = set()
         self._round_work: Work | None = None  # the round in flight
+        self._arrival_checks = 0  # sync rounds' arrival checks still in flight
         self._final: _Call | None = None  # a flush or close waiting for its turn
         self._final_count = 0
         self._thresholds: dict[int, int] = {}
@@ -387,6 +388,8 @@ class PartialCollective:
         r = self._started + 1
         final = self._final
         if final is not None and r >= final.iteration:
+            if self._arrival_checks:
+                return False  # close() frees their channel: let them finish
             self._final = None
             self._start_final(final)
             return True
@@ -468,8 +471,10 @@ class PartialCollective:
         handle = Handle(self.kind, r, now + timeout, self._engine.alive)
 
         def done(res: Any, err: BaseException | None) -> None:
+            self._arrival_checks -= 1
             if err is not None and self._error is None:
                 self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
+        self._arrival_checks += 1
         self._engine.start(Work(r, self.kind, handle, [stage], now + timeout, timeout,
                                 space=(self, "arrival"), on_complete=done))
 
