@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from wagma_comm import Communicator
+from wagma_comm import Communicator, InvalidArgumentError
+from wagma_comm.train import Averager
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -123,3 +124,36 @@ def test_sync_rounds_ignore_ready_publishes(comm: Communicator) -> None:
     np.testing.assert_array_equal(model, sum(range(SIZE)) / SIZE)
     assert w.statistics()["ready_starts"] == 0
     w.close()
+
+
+def test_flush_or_close_before_the_promised_step_is_refused(comm: Communicator) -> None:
+    """A ready publish promises a step: flush() or close() before it would
+    wait for a round only that step can be sure to finish, so both are
+    refused locally (``argument == "ready"``); after the step both work."""
+    w = comm.wait_avoiding_group_allreduce(np.zeros(2), SIZE, sync_every=10,
+                                           normalization="mean")
+    model = np.full(2, float(RANK))
+    w.publish(model, ready=True)
+    for call in (w.flush, w.close):
+        with pytest.raises(InvalidArgumentError) as err:
+            call()
+        assert err.value.argument == "ready"
+    w.step(model)
+    np.testing.assert_array_equal(model, sum(range(SIZE)) / SIZE)
+    w.flush()
+    w.close()
+
+
+def test_averager_start_then_finalize_keeps_the_promise(comm: Communicator) -> None:
+    """The trainer publishes ready in start(); a finalize() or close() with no
+    finish() in between steps a copy first, so nothing hangs and the weights
+    become the plain global mean, as before ready publishes."""
+    params = [np.full(3, float(RANK))]  # different on every rank: no broadcast
+    avg = Averager(comm, params, "wagma", group_size=SIZE, sync_every=100, broadcast=False)
+    avg.start(params)
+    avg.finalize(params)
+    np.testing.assert_array_equal(params[0], sum(range(SIZE)) / SIZE)
+    avg.close()
+    again = Averager(comm, params, "wagma", group_size=SIZE, sync_every=100)
+    again.start(params)
+    again.close()  # steps a copy: nothing waits for the started round

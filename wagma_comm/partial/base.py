@@ -54,6 +54,7 @@ _TOKEN_WORDS = 4  # collective id, round, root, sender
 # timeout before its data exchange, so its error (naming the ranks that never
 # arrived) is the one the round fails with.
 _ARRIVAL_LEAD = 0.02
+_ARRIVAL_LEAD_MIN_S = 0.005  # and at least this (engine turns, naps of 1 ms)
 # A token for a round this many rounds before the last one completed here is
 # dropped, not forwarded: that round ran long ago, and any rank the token
 # would still have reached is activated by a later round's token (activation
@@ -137,6 +138,7 @@ class PartialCollective:
         # that no arrival has activated yet: arriving at it must still send
         # the activation, or a late member would never be told.
         self._ready_started = -1
+        self._ready_promised = -1  # app thread: the round a ready publish promised a step to
         self._pending: dict[int, _Call] = {}
         self._error: WagmaError | None = None
         self._closed = False
@@ -210,12 +212,15 @@ class PartialCollective:
         else:
             data, owner = None, None
         self._check_usable()
+        self._check_promise("flush")
         call = self._final_call("flush", data, owner)
         return call.handle.wait()
 
     def close(self) -> None:
         """Collective: wait for every rank to finish stepping, then release the
         channels. Idempotent; a broken collective is released locally."""
+        if not self._closed and self._error is None:
+            self._check_promise("close")
         with self._lock:
             if self._closed:
                 return
@@ -263,6 +268,16 @@ class PartialCollective:
                 "buf", f"{self.kind} was created for {self.count} x {self.dtype.name}, "
                 f"got {buffer.count} x {buffer.dtype.name}")
         return buffer.host_array(), buffer.owner
+
+    def _check_promise(self, what: str) -> None:
+        """A ready publish started a round that only this rank's step can be
+        sure to finish (its peers may never arrive); a flush or close before
+        that step would wait for it forever. Refused here, before anything
+        is sent."""
+        if self._ready_promised == self._app_round:
+            raise InvalidArgumentError(
+                "ready", f"publish(ready=True) for round {self._app_round} promised a "
+                f"step(); call step() before {what}()")
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -463,19 +478,21 @@ class PartialCollective:
         than before it (it used to be the round's first stage, and that cost
         a full exchange of latency: docs/partial.md). It exists to name a
         rank that stopped stepping, so it times out a little before the data
-        (``_ARRIVAL_LEAD``) and its error is the one the round fails with;
+        (``_ARRIVAL_LEAD``, at least ``_ARRIVAL_LEAD_MIN_S``) and its error is the one the round fails with;
         when the data completes, every rank has arrived and it completes too."""
         stage = self._arrival_stage(self._ch_ctl, r, r, None)
         now = time.monotonic()
-        timeout = self.timeout * (1.0 - _ARRIVAL_LEAD)
-        handle = Handle(self.kind, r, now + timeout, self._engine.alive)
+        lead = min(max(_ARRIVAL_LEAD * self.timeout, _ARRIVAL_LEAD_MIN_S), 0.5 * self.timeout)
+        deadline = now + self.timeout - lead
+        handle = Handle(self.kind, r, deadline, self._engine.alive)
 
         def done(res: Any, err: BaseException | None) -> None:
             self._arrival_checks -= 1
             if err is not None and self._error is None:
                 self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
         self._arrival_checks += 1
-        self._engine.start(Work(r, self.kind, handle, [stage], now + timeout, timeout,
+        # ``timeout`` as configured: it is what the error message reports.
+        self._engine.start(Work(r, self.kind, handle, [stage], deadline, self.timeout,
                                 space=(self, "arrival"), on_complete=done))
 
     def _start_final(self, call: _Call) -> None:

@@ -83,6 +83,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
             t = self._app_round
             self._contribute(data, t)
         if ready:
+            self._ready_promised = t
             # No wake-up: the listening thread finds it within its nap
             # (at most 1 ms), and a wake-up here costs a context switch.
             self._inbox.append(("ready", t))

@@ -960,8 +960,11 @@ class Engine:
         self._owners = [self._owners[k] for k in keep]
 
     def _fail_queued(self, work: Work, error: WagmaError) -> None:
-        """Fail a Work that never started (it is no longer queued)."""
+        """Fail a Work that never started (it is no longer queued); its
+        service learns it as from a Work that failed in flight."""
         self._stats["failed"] += 1
+        if work.on_complete is not None:
+            work.on_complete(None, error)
         work.handle._complete(None, error)
 
     def _check_deadlines(self) -> None:

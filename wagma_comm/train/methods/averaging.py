@@ -147,14 +147,25 @@ class WagmaSGD(Method):
                              max(i.staleness for i in infos))
 
     def finalize(self, buffers: Any) -> bool:
+        self._keep_promise()
         for c, b in zip(self._colls, buffers):
             c.flush(b)  # one extra global mean: replicas agree bitwise
         return False
 
     def close(self) -> None:
+        self._keep_promise()
         for c in self._colls:
             c.close()
         self._colls = []
+
+    def _keep_promise(self) -> None:
+        """start() published ready and no finish() followed: step copies, so
+        the rounds those publishes started can finish (a ready publish is a
+        promise to step) without touching the caller's weights."""
+        if self._buffers:
+            for c, b in zip(self._colls, self._buffers):
+                c.step(b.copy())
+            self._buffers = []
 
     def checkpoint_error(self, t: int) -> str | None:
         if t % self.sync_every and self.sync_every != _resumable.NO_SYNC:
