@@ -648,13 +648,11 @@ class Communicator:
             program = (fast.program if fast.generation == engine.generation
                        else fast.refresh(engine))
             if async_op:
-                handle = Handle(fast.collective, seq, now + timeout, engine.alive,
-                                engine.drive_until, engine.nudge)
-                engine.submit(Work(seq, fast.collective, handle,
-                                   [Stage(fast.sched, CHANNEL_DATA, {DATA: data}, fast.dtype)],
-                                   now + timeout, timeout, result=value, keepalive=data,
-                                   program=program), wake=LAZY)
-                return handle
+                work = self._inline_work(fast.collective, fast.sched, fast.dtype, data, None,
+                                         seq, now, timeout, value, data)
+                work.program = program
+                engine.submit(work, wake=LAZY)
+                return work.handle
             late = engine.run_inline(
                 program, data, seq, now + timeout, self._inline_work,
                 (fast.collective, fast.sched, fast.dtype, data, None, seq, now, timeout,
@@ -702,9 +700,9 @@ class Communicator:
     def _inline_work(self, collective: str, sched: Schedule, dt: DType, data: np.ndarray,
                      on_done: Callable[[], None] | None, seq: int, now: float, timeout: float,
                      value: Any, buffer: Any) -> Work:
-        """The Work of an inline run a late peer made the engine take over
-        (a method, not a closure: a closure's cells would be made on every
-        call of _submit)."""
+        """The one-stage Work of a small call: an inline run a late peer made
+        the engine take over, or a queued non-blocking one (a method, not a
+        closure: a closure's cells would be made on every call of _submit)."""
         stage = Stage(sched, CHANNEL_DATA, {DATA: data}, dt, on_done=on_done)
         handle = Handle(collective, seq, now + timeout, self._engine.alive,
                         self._engine.drive_until, self._engine.nudge)

@@ -470,7 +470,7 @@ class PartialCollective:
         stages = [self._data_stage(self._ch_data, buf, members, "round data exchange")]
         with self._lock:
             patient = r == self._ready_started and r not in self._pending
-        self._launch(r, stages, lambda res, err: self._round_done(
+        self._round_work = self._launch(r, stages, lambda res, err: self._round_done(
             r, buf, members, step, root, synchronized, err), patient=patient)
 
     def _check_arrivals(self, r: int) -> None:
@@ -481,10 +481,8 @@ class PartialCollective:
         (``_ARRIVAL_LEAD``, at least ``_ARRIVAL_LEAD_MIN_S``) and its error is the one the round fails with;
         when the data completes, every rank has arrived and it completes too."""
         stage = self._arrival_stage(self._ch_ctl, r, r, None)
-        now = time.monotonic()
         lead = min(max(_ARRIVAL_LEAD * self.timeout, _ARRIVAL_LEAD_MIN_S), 0.5 * self.timeout)
-        deadline = now + self.timeout - lead
-        handle = Handle(self.kind, r, deadline, self._engine.alive)
+        deadline = time.monotonic() + self.timeout - lead
 
         def done(res: Any, err: BaseException | None) -> None:
             self._arrival_checks -= 1
@@ -492,8 +490,7 @@ class PartialCollective:
                 self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
         self._arrival_checks += 1
         # ``timeout`` as configured: it is what the error message reports.
-        self._engine.start(Work(r, self.kind, handle, [stage], deadline, self.timeout,
-                                space=(self, "arrival"), on_complete=done))
+        self._engine.start(self._new_work(r, [stage], deadline, "arrival", done))
 
     def _start_final(self, call: _Call) -> None:
         """A flush or close: synchronous, outside the iteration count."""
@@ -520,14 +517,22 @@ class PartialCollective:
 
     def _launch(self, seq: int, stages: list[Stage],
                 on_complete: Callable[[Any, BaseException | None], None],
-                space: str = "round", patient: bool = False) -> None:
-        now = time.monotonic()
-        handle = Handle(self.kind, seq, now + self.timeout, self._engine.alive)
+                space: str = "round", patient: bool = False) -> Work:
+        """Start the one round (or flush/close) this collective runs at a time."""
+        work = self._new_work(seq, stages, time.monotonic() + self.timeout, space,
+                              on_complete, patient)
         self._running = True
-        work = Work(seq, self.kind, handle, stages, now + self.timeout, self.timeout,
-                    space=(self, space), on_complete=on_complete, patient=patient)
-        self._round_work = work if space == "round" else None
         self._engine.start(work)
+        return work
+
+    def _new_work(self, seq: int, stages: list[Stage], deadline: float, space: str,
+                  on_complete: Callable[[Any, BaseException | None], None],
+                  patient: bool = False) -> Work:
+        """An engine Work of this collective (nobody waits on its handle: the
+        outcome arrives through ``on_complete``)."""
+        handle = Handle(self.kind, seq, deadline, self._engine.alive)
+        return Work(seq, self.kind, handle, stages, deadline, self.timeout,
+                    space=(self, space), on_complete=on_complete, patient=patient)
 
     def _data_stage(self, channel: str, buf: np.ndarray, members: tuple[int, ...],
                     label: str) -> Stage:
