@@ -482,9 +482,12 @@ class Engine:
         in the engine itself). Call it under the communicator's submission
         lock, so no later collective can start first; it holds the driver
         lock while it runs and releases it whatever happens."""
-        # The progress thread holds the driver only for a turn (tens of us)
-        # when nothing is in flight, e.g. while a partial collective listens.
-        if not self._driver.acquire(timeout=_DRIVER_WAIT_S):
+        # With nothing queued or in flight (a partial collective may listen),
+        # the progress thread holds the driver only for a turn (tens of us):
+        # worth waiting for. Otherwise the call queues behind that work.
+        if not self._driver.acquire(blocking=False) and (
+                self._incoming or self._waiting or self._active
+                or not self._driver.acquire(timeout=_DRIVER_WAIT_S)):
             return NOT_INLINE
         # Read without _cv: submissions append under the communicator's lock
         # (held by our caller) and the progress thread's under _driver (ours
