@@ -75,7 +75,9 @@ def test_a_member_that_never_published_is_not_waited_for(
             w.publish(model, ready=True)
             _wait_round(w, t, "started")  # the step comes after the ready start
             info = w.step(model)
-            assert info.round == t and SLOW not in info.fresh, info
+            # >= t: a fast peer may run ahead and activate round t + 1 here
+            # before this step; a late step then gets that newer round.
+            assert info.round >= t and SLOW not in info.fresh, info
             expected = (sum(range(SIZE - 1)) + 100.0) / SIZE
             np.testing.assert_array_equal(model, expected)
     WORLD.Barrier()  # the fast ranks are done
