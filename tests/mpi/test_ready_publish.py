@@ -82,9 +82,10 @@ def test_a_member_that_never_published_is_not_waited_for(
             np.testing.assert_array_equal(model, expected)
     WORLD.Barrier()  # the fast ranks are done
     if RANK == SLOW:
-        # The fast ranks' last round may still be finishing here (with a fold,
-        # the result reaches this rank after they returned); a step before
-        # that would rightly get round steps - 2, the latest completed here.
+        # The fast ranks' last round may still be finishing here (its last
+        # message to this rank can land after they returned, e.g. with a
+        # fold); a step before that would rightly get round steps - 2, the
+        # latest completed here (CI caught it at 3 ranks).
         _wait_round(w, steps - 1)
         for t in range(steps):
             model = np.full(2, 100.0)
