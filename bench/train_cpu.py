@@ -9,6 +9,7 @@ the cost of the progress thread is seen apart from the application's.
 
     mpiexec -n 8 .venv/bin/python bench/train_cpu.py [--methods wagma,local_sgd,dpsgd]
         [--iterations 200] [--repeats 2] [--imbalance none] [--round-start publish]
+        [--group-size S]
 
 Linux only (schedstat). Prints, per method, the mean over ranks of: wall time
 per iteration, the main thread's CPU per iteration, the other threads' CPU per
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--imbalance", default="none",
                         help="injector spec, as the demo's --imbalance (default none)")
     parser.add_argument("--round-start", default="publish")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="WAGMA's group size (default: the demo's)")
     args = parser.parse_args()
 
     import torch
@@ -58,7 +61,7 @@ def main() -> None:
     comm = wagma_comm.init()
     P = comm.size
     o = build_parser().parse_args(["demo", "--quiet", "--round-start", args.round_start])
-    o.group_size = o.group_size or default_group_size(P)
+    o.group_size = args.group_size or default_group_size(P)
     data = demo.load_data()
     injector = imb.make_injector(args.imbalance, P, 0)
     methods = args.methods.split(",")
@@ -81,7 +84,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     lines = [f"# {P} ranks on {cores} cores, {args.iterations} iterations x {args.repeats} "
              f"repeats per method, injector {args.imbalance}, compute {1e3 * o.compute:g} ms, "
-             f"round start {args.round_start} (mean over ranks and repeats; us per iteration)",
+             f"round start {args.round_start}, group size {o.group_size} (mean over ranks and repeats; us per iteration)",
              f"{'method':>10} {'wall':>8} {'main CPU':>9} {'other CPU':>10} "
              f"{'total CPU':>10} {'x P/cores':>10}"]
     for m in methods:

@@ -114,6 +114,23 @@ def test_torch_bucket_round_trip_on_cpu() -> None:
     assert torch.equal(grads_of[2].grad, params[2])
 
 
+def test_torch_bucket_zeros_missing_grads_and_writes_leaf_params() -> None:
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.tensor(1.5))]
+    specs = layout([tuple(p.shape) for p in params], ["float32", "float32"], [None] * 2)
+    tb = TorchBucket(specs, torch.device("cpu"))
+    flat = tb.buffers()[0]
+    flat[...] = 9
+    tb.pack([None, params[1]])  # a parameter without a gradient packs as zeros
+    assert flat.tolist() == [0.0] * 6 + [1.5]
+    flat[...] = np.arange(7, dtype=np.float32)
+    tb.unpack(params)  # in place on leaf tensors that require grad
+    assert params[0].tolist() == [[0, 1, 2], [3, 4, 5]] and params[1].item() == 6
+    assert params[0].requires_grad and params[0].grad is None
+    for changed in (torch.ones(1, 3), torch.ones(6)):  # never broadcast or reshaped
+        with pytest.raises(InvalidArgumentError, match=r"parameter 0 now has shape"):
+            tb.pack([changed, params[1]])
+
+
 def test_signature_depends_on_shape_and_dtype_only() -> None:
     def spec(shape: tuple[int, ...], dtype: str, name: str | None) -> TensorSpec:
         return TensorSpec(0, name, shape, dtype, 0, int(np.prod(shape)))

@@ -82,22 +82,28 @@ class TorchBucket:
                 if staged else host
             self._np[dt] = numpy_of(host)
             assert dtypes.from_numpy(self._np[dt].dtype) is dtypes.BY_NAME[dt]
+        # Each tensor's slot, shaped like it: made once, because building the
+        # views every call cost more than the copies (about 30 us per pack
+        # of a 4-tensor model against 8 us).
+        self._views = [self._dev[spec.dtype].narrow(0, spec.offset, spec.count).view(spec.shape)
+                       for spec in self.specs]
 
     def buffers(self) -> list[np.ndarray]:
         """Host buffers for the collectives, one per dtype, in layout order."""
         return list(self._np.values())
 
-    def _slot(self, spec: TensorSpec) -> torch.Tensor:
-        return self._dev[spec.dtype].narrow(0, spec.offset, spec.count)
-
     @torch.no_grad()
     def pack(self, tensors: Sequence[torch.Tensor | None]) -> None:
         """Copy tensors in (``None`` -> zeros), then to the host mirror."""
-        for spec, t in zip(self.specs, tensors):
+        for spec, view, t in zip(self.specs, self._views, tensors):
             if t is None:
-                self._slot(spec).zero_()
+                view.zero_()
+            elif t.shape != view.shape:  # copy_ would broadcast it silently
+                raise InvalidArgumentError(
+                    "params", f"{spec.label()} now has shape {tuple(t.shape)}; set-up "
+                    f"saw {spec.describe()}")
             else:
-                self._slot(spec).copy_(t.detach().reshape(-1))
+                view.copy_(t)
         if self.device.type != "cpu":
             for dt, host in self._host.items():
                 host.copy_(self._dev[dt])
@@ -108,8 +114,8 @@ class TorchBucket:
         if self.device.type != "cpu":
             for dt, host in self._host.items():
                 self._dev[dt].copy_(host)
-        for spec, t in zip(self.specs, tensors):
-            t.detach().copy_(self._slot(spec).view(spec.shape))
+        for view, t in zip(self._views, tensors):
+            t.copy_(view)
 
     @torch.no_grad()
     def unpack_grads(self, params: Sequence[torch.Tensor]) -> None:
@@ -117,10 +123,10 @@ class TorchBucket:
         if self.device.type != "cpu":
             for dt, host in self._host.items():
                 self._dev[dt].copy_(host)
-        for spec, p in zip(self.specs, params):
+        for view, p in zip(self._views, params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(self._slot(spec).view(spec.shape))
+            p.grad.copy_(view)
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
