@@ -84,7 +84,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     lines = [f"# {P} ranks on {cores} cores, {args.iterations} iterations x {args.repeats} "
              f"repeats per method, injector {args.imbalance}, compute {1e3 * o.compute:g} ms, "
-             f"round start {args.round_start}, group size {o.group_size} (mean over ranks and repeats; us per iteration)",
+             f"round start {args.round_start}, group size {o.group_size} "
+             "(mean over ranks and repeats; us per iteration)",
              f"{'method':>10} {'wall':>8} {'main CPU':>9} {'other CPU':>10} "
              f"{'total CPU':>10} {'x P/cores':>10}"]
     for m in methods:
