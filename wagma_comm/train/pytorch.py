@@ -108,21 +108,23 @@ class TorchBucket:
             for dt, host in self._host.items():
                 host.copy_(self._dev[dt])
 
-    @torch.no_grad()
-    def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the (host) result into ``tensors`` in place."""
+    def _from_host(self) -> None:
+        """The collectives wrote the host mirror: copy it to the device buffers."""
         if self.device.type != "cpu":
             for dt, host in self._host.items():
                 self._dev[dt].copy_(host)
+
+    @torch.no_grad()
+    def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the (host) result into ``tensors`` in place."""
+        self._from_host()
         for view, t in zip(self._views, tensors):
             t.copy_(view)
 
     @torch.no_grad()
     def unpack_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Write the result as each parameter's ``.grad`` (created if missing)."""
-        if self.device.type != "cpu":
-            for dt, host in self._host.items():
-                self._dev[dt].copy_(host)
+        self._from_host()
         for view, p in zip(self._views, params):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
