@@ -183,6 +183,31 @@ def test_wagma_activation_routes_reach_every_member(comm: Communicator, scope: s
 
 
 @pytest.mark.parametrize("scope", SCOPES)
+def test_close_receives_every_token_before_freeing_the_channels(
+        comm: Communicator, scope: str) -> None:
+    """Ranks arrive staggered, so late tokens are still in flight when the
+    fast ranks reach close(); close() must take every one of them off the
+    wire before it frees the channels (a token left there is received by
+    whichever later communicator MPI gives the freed context: a truncated
+    message, or a round's data overwritten). Counted after close: every
+    token sent was received."""
+    if SIZE == 1:
+        pytest.skip("needs peers to send tokens")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), min(2, SIZE), sync_every=1000,
+                                           activation=scope)
+    for t in range(6):
+        if (t + RANK) % SIZE == 0:
+            time.sleep(0.01)  # a different rank arrives last each step
+        w.step(np.full(3, float(RANK)))
+    w.flush()
+    w.close()
+    stats = w.statistics()
+    sent = _gather(stats["tokens_sent"])
+    assert sum(sent) > 0
+    assert sum(sent) == sum(_gather(stats["tokens_received"]))
+
+
+@pytest.mark.parametrize("scope", SCOPES)
 def test_routing_state_stays_bounded_without_sync_rounds(
         comm: Communicator, scope: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With synchronous rounds rare, the per-round routing state (who was sent

@@ -50,6 +50,8 @@ from ..schedule.ir import DATA
 from .info import RoundInfo, Telemetry
 
 _TOKEN_WORDS = 4  # collective id, round, root, sender
+# The round of a token that says "closed: no more tokens from me" (close()).
+_CLOSED_MARK = -1
 # A synchronous round's arrival check times out this fraction of the
 # timeout before its data exchange, so its error (naming the ranks that never
 # arrived) is the one the round fails with.
@@ -154,6 +156,8 @@ class PartialCollective:
         self._roots: dict[int, int] = {}
         self._last_sync = -1
         self._token_in = np.zeros(_TOKEN_WORDS, dtype=np.int64)
+        self._closing: _Call | None = None  # close() waiting for the peers' last tokens
+        self._marked: set[int] = set()  # peers whose closed mark came
         self._sending: list[tuple[Any, np.ndarray]] = []
         self._id = comm._register_partial()
         prefix = f"p{self._id}."
@@ -334,6 +338,8 @@ class PartialCollective:
                 self._start_ready(arg)
             elif what == "final":
                 self._final = arg
+        if self._closing is not None:
+            return did | self._check_drain_deadline()
         if self._error is None:
             did |= self._start_due()
             did |= self._check_pending_deadlines()
@@ -608,8 +614,7 @@ class PartialCollective:
                 call.handle._complete(None, error)
             return
         if call.kind == "close":
-            self._teardown()
-            call.handle._complete(None)
+            self._drain_tokens(call)
             return
         with self._lock:
             self.telemetry.flushes += 1
@@ -625,11 +630,54 @@ class PartialCollective:
                 res.retired = True
                 self._release(res)
 
-    def _teardown(self) -> None:
-        """Progress thread: stop listening and free the channels."""
+    def _drain_tokens(self, call: _Call) -> None:
+        """close(), once every rank has stopped stepping: tokens travel on
+        their own channel, unordered against close()'s exchange, so a peer's
+        last tokens may still be in flight. Freeing the channel under them
+        would leave them unmatched, to be received by whichever communicator
+        MPI gives the freed context next (a truncated message, or data
+        overwritten by a token). So every rank sends each peer a closed mark,
+        after which it sends no tokens; tokens between two ranks arrive in
+        order, so once every peer's mark has come nothing is in flight, and
+        the channels are freed."""
+        self._closing = call
+        call.deadline = time.monotonic() + self.timeout
+        call.handle._deadline = call.deadline
+        if self.size > 1:
+            mark = np.array([self._id, _CLOSED_MARK, -1, self.rank], dtype=np.int64)
+            for peer in range(self.size):
+                if peer != self.rank:
+                    self._send_token(mark, peer)
+        self._finish_drain()
+
+    def _finish_drain(self) -> None:
+        call = self._closing
+        if call is not None and len(self._marked) >= self.size - 1:
+            self._closing = None
+            self._teardown(clean=True)
+            call.handle._complete(None)
+
+    def _check_drain_deadline(self) -> bool:
+        call = self._closing
+        if call is None or time.monotonic() <= call.deadline:
+            return False
+        self._closing = None
+        self._teardown()
+        missing = sorted(set(range(self.size)) - self._marked - {self.rank})
+        call.handle._complete(None, CollectiveTimeoutError(
+            self.kind, call.iteration, missing,
+            f"close(): ranks {missing} never sent their last activation token "
+            f"within {self.timeout:g} s"))
+        return True
+
+    def _teardown(self, clean: bool = False) -> None:
+        """Progress thread: stop listening and release the channels. Only a
+        clean close (every peer's last token received) frees them; otherwise
+        messages may still arrive, and the transport keeps the channels
+        allocated so that no later communicator can receive them."""
         self._engine.remove_service(self)
         self._engine.cancel_posted(self._on_token)
-        self._transport.close_channels(self._channels)
+        self._transport.close_channels(self._channels, free=clean)
 
     # -- activation tokens ------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
@@ -651,7 +699,13 @@ class PartialCollective:
         self._listen()
         if ident != self._id:
             return
+        if r == _CLOSED_MARK:
+            self._marked.add(sender)
+            self._finish_drain()
+            return
         self.telemetry.tokens_received += 1
+        if self._closing is not None:
+            return  # a peer's last tokens: every round has run
         if r > self._activated and r > self._started:
             self.telemetry.activated_elsewhere += 1
         self._activate(r, sender, root)
@@ -699,12 +753,15 @@ class PartialCollective:
             threshold = self._thresholds.get(r, activation.no_tokens_sent(n))
             targets, self._thresholds[r] = activation.forward(me, n, came, threshold)
         for k in targets:
-            token = np.array([self._id, r, root, self.rank], dtype=np.int64)
-            request = self._transport.isend(token, scope[k], self._ch_act, 0, 0)
+            self._send_token(np.array([self._id, r, root, self.rank], dtype=np.int64),
+                             scope[k])
             self.telemetry.tokens_sent += 1
-            entry = (request, token)
-            self._sending.append(entry)
-            self._engine.post(request, lambda e=entry: self._sending.remove(e))
+
+    def _send_token(self, token: np.ndarray, peer: int) -> None:
+        request = self._transport.isend(token, peer, self._ch_act, 0, 0)
+        entry = (request, token)
+        self._sending.append(entry)
+        self._engine.post(request, lambda e=entry: self._sending.remove(e))
 
     # -- helpers ------------------------------------------------------------------
     def _set_flags(self, buf: np.ndarray, members: tuple[int, ...], fresh: bool) -> None:

@@ -123,8 +123,11 @@ class Transport(ABC):
         order everywhere: called only after a barrier proved every rank there."""
 
     @abstractmethod
-    def close_channels(self, names: Sequence[str]) -> None:
-        """Release channels made by :meth:`open_channels` (local)."""
+    def close_channels(self, names: Sequence[str], free: bool = True) -> None:
+        """Release channels made by :meth:`open_channels` (local). ``free=False``:
+        messages to them may still arrive, so what they used (an MPI context)
+        stays allocated rather than go to a later channel that would then
+        receive those messages."""
 
     @abstractmethod
     def has_group(self, ranks: Sequence[int]) -> bool:

@@ -19,6 +19,12 @@ from ..errors import TransportError
 from ..runtime.liveness import identity
 from .base import CHANNELS, MSG_BITS, Transport
 
+# Channel communicators closed while messages to them may be in flight (a
+# collective that failed or was never closed). Freeing one would let MPI give
+# its context to a later communicator, whose receives would then match those
+# messages (docs/partial.md, "Closing"); they are kept, unfreed, instead.
+_KEPT: list[MPI.Comm] = []
+
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
 
@@ -90,15 +96,19 @@ class MPITransport(Transport):
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             self._comms[name] = comm
 
-    def close_channels(self, names: Sequence[str]) -> None:
+    def close_channels(self, names: Sequence[str], free: bool = True) -> None:
         for name in names:
             self._bound.pop(name, None)
             comm = self._comms.pop(name, None)
-            if comm is not None:
-                try:
-                    comm.Free()
-                except MPI.Exception:
-                    pass
+            if comm is None:
+                continue
+            if not free:
+                _KEPT.append(comm)  # never freed: its context is never reused
+                continue
+            try:
+                comm.Free()
+            except MPI.Exception:
+                pass
 
     def exchange_bytes(self, data: bytes | None, nbytes: int, deadline: float) -> bytes:
         """Rank 0's ``data`` (``nbytes`` long) on every rank, e.g. the NCCL
@@ -218,6 +228,10 @@ class MPITransport(Transport):
             pass
 
     def close(self) -> None:
+        # Channels still open belong to persistent collectives that were never
+        # closed: their peers' messages may still arrive, so they are kept.
+        self.close_channels([name for name in self._comms if name not in CHANNELS],
+                            free=False)
         comms = list(self._groups.values()) + list(self._comms.values()) + [self._create_comm]
         for comm in comms:
             try:
