@@ -1,7 +1,8 @@
 """Where a training method's step waits: sync rounds against group rounds.
 
 The demo's table gives one mean wait per iteration. This script runs the
-demo's training loop (model, data, injector, compute) for each method,
+demo's training step (model, data, injector, compute; batches drawn at random
+rather than by epoch, since only the timing matters here) for each method,
 alternating methods, and splits the wait that ``step()`` reports
 (``AveragingInfo.wait_s``) into synchronous rounds and the rest, with the
 median ``step()`` time of each kind. For WAGMA it also prints, for the
