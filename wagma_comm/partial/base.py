@@ -537,8 +537,11 @@ class PartialCollective:
         """An engine Work of this collective (nobody waits on its handle: the
         outcome arrives through ``on_complete``)."""
         handle = Handle(self.kind, seq, deadline, self._engine.alive)
+        # rings: a member's progress thread may sleep while its application
+        # computes; our round's messages wake it (runtime/engine.py).
         return Work(seq, self.kind, handle, stages, deadline, self.timeout,
-                    space=(self, space), on_complete=on_complete, patient=patient)
+                    space=(self, space), on_complete=on_complete, patient=patient,
+                    rings=True)
 
     def _data_stage(self, channel: str, buf: np.ndarray, members: tuple[int, ...],
                     label: str) -> Stage:
@@ -759,6 +762,7 @@ class PartialCollective:
 
     def _send_token(self, token: np.ndarray, peer: int) -> None:
         request = self._transport.isend(token, peer, self._ch_act, 0, 0)
+        self._engine.ring(peer)  # its listener may sleep on its doorbell
         entry = (request, token)
         self._sending.append(entry)
         self._engine.post(request, lambda e=entry: self._sending.remove(e))

@@ -84,9 +84,10 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
             self._contribute(data, t)
         if ready:
             self._ready_promised = t
-            # No wake-up: the listening thread finds it within its nap
-            # (at most 1 ms), and a wake-up here costs a context switch.
+            # No wake-up from a nap (at most 1 ms: a wake-up here costs a
+            # context switch), only from a longer sleep on the doorbell.
             self._inbox.append(("ready", t))
+            self._engine.wake_if_calm()
 
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:

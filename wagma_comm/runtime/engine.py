@@ -54,6 +54,10 @@ _MAX_SLEEP_S = 1e-3
 # once per iteration anyway.
 _LISTEN_SPIN_S = float(os.environ.get("WAGMA_LISTEN_SPIN_US", "200")) * 1e-6
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
+# With a doorbell (transport/doorbell.py) a thread with nothing in flight but
+# listeners sleeps this long between turns instead of _MAX_SLEEP_S: a token
+# rings it awake, so the limit only bounds how late a deadline is noticed.
+_CALM_SLEEP_S = 0.05
 _IDLE_WAIT_S = 1.0
 # A small non-blocking call does not wake a napping progress thread
 # (``submit(wake=LAZY)``): its caller usually waits soon and then runs it
@@ -122,6 +126,10 @@ class Work:
     # A small one-stage Work's inline form (Engine.program): the engine may
     # start it by running it straight through (Engine._start_here).
     program: Program | None = None
+    # Its sends ring the peer's doorbell, so the peer's progress thread may
+    # sleep while it waits for them (a partial collective's rounds, which a
+    # peer may be listening for while its application computes).
+    rings: bool = False
     # Nobody waits for it yet (a round started early, partial/base.py): the
     # thread polls it as it polls for tokens, without the long spin, and it
     # has no deadline and no watchdog (dead peers still fail it) until its
@@ -211,6 +219,8 @@ class Engine:
         self._woken = False
         self._lazy_at = -_LAZY_WINDOW_S  # when the last LAZY submission came
         self._napping_long = False  # the thread sleeps up to _IDLE_WAIT_S
+        self._bell = transport.doorbell
+        self._bell_sleep = 0.0  # how long the thread sleeps on the bell now (0: not)
         # One thread at a time drives the engine: the progress thread, or an
         # application thread waiting on a handle (drive_until). ``_drivers``
         # counts the latter; the progress thread parks while any are driving.
@@ -224,7 +234,8 @@ class Engine:
         self._stats = {"completed": 0, "failed": 0, "messages_sent": 0,
                        "messages_received": 0, "bytes_sent": 0, "bytes_received": 0,
                        "local_ops": 0, "polls": 0, "idle_wakeups": 0,
-                       "inline": 0, "inline_handed_over": 0}
+                       "inline": 0, "inline_handed_over": 0, "bell_sleeps": 0,
+                       "bell_wakeups": 0}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -253,14 +264,42 @@ class Engine:
                 self._lazy_at = time.monotonic()
                 if self._napping_long:
                     self._cv.notify()
+                self._ring_if_asleep(_LAZY_NAP_S)
             elif wake:
-                self._cv.notify()
+                self._notify()
 
     def wake(self) -> None:
         """Make the progress thread look at its services now (thread-safe)."""
         with self._mutex:
             self._woken = True
-            self._cv.notify()
+            self._notify()
+
+    def wake_if_calm(self) -> None:
+        """Wake the progress thread only if it sleeps longer than its usual
+        nap (on the doorbell, nothing in flight): something queued without a
+        wake-up (a ready publish) is then still seen within ``_MAX_SLEEP_S``."""
+        with self._mutex:
+            self._ring_if_asleep(_MAX_SLEEP_S)
+
+    def _notify(self) -> None:
+        """(under ``_mutex``) Wake the progress thread from whichever sleep:
+        its condition wait, or its doorbell."""
+        self._cv.notify()
+        self._ring_if_asleep(0.0)
+
+    def _ring_if_asleep(self, longer_than: float) -> None:
+        """(under ``_mutex``) Ring our own bell if the thread sleeps on it for
+        longer than ``longer_than`` seconds."""
+        if self._bell_sleep > longer_than:
+            self._bell_sleep = 0.0  # one ring is enough
+            assert self._bell is not None
+            self._bell.ring_self()
+
+    def ring(self, peer: int) -> None:
+        """Wake ``peer``'s progress thread (a service sent it a message it may
+        be sleeping for); nothing without doorbells."""
+        if self._bell is not None:
+            self._bell.ring(peer)
 
     def add_service(self, service: Service) -> None:
         """Have the progress thread call ``service.progress()`` every turn."""
@@ -268,7 +307,7 @@ class Engine:
             if self._closing or self.broken is not None:
                 raise CommunicatorClosedError("communicator is closed or broken")
             self._services = self._services + [service]
-            self._cv.notify()
+            self._notify()
 
     def remove_service(self, service: Service) -> None:
         with self._mutex:
@@ -300,7 +339,7 @@ class Engine:
         with self._mutex:
             self._closing = True
             self._cancel_pending = cancel
-            self._cv.notify()
+            self._notify()
         self._thread.join(timeout)
 
     def in_flight(self) -> int:
@@ -313,6 +352,8 @@ class Engine:
         for _, program in list(self._programs.values()):
             _add_program_counts(stats, program, program.runs)
         stats["in_flight"] = self.in_flight()
+        stats["doorbell"] = self._bell is not None
+        stats["bell_rings"] = self._bell.rings if self._bell is not None else 0
         return stats
 
     def _fold_program_counts(self) -> None:
@@ -379,10 +420,36 @@ class Engine:
                 os.sched_yield()  # releases the GIL and lets a peer rank run
             else:
                 sleep_s = min(_MAX_SLEEP_S, max(2 * sleep_s, 20e-6))
-                with self._mutex:  # a submission or wake() cuts the nap short
-                    if not self._incoming and not self._woken:
-                        self._cv.wait(sleep_s)
-                    self._woken = False
+                self._nap(sleep_s)
+
+    def _nap(self, sleep_s: float) -> None:
+        """Sleep between turns: ``sleep_s``, cut short by a submission or
+        wake(); on the doorbell, also by a peer's ring, and longer while only
+        listeners wait (_CALM_SLEEP_S)."""
+        if self._bell is None:
+            with self._mutex:
+                if not self._incoming and not self._woken:
+                    self._cv.wait(sleep_s)
+                self._woken = False
+            return
+        if self._calm() and time.monotonic() - self._lazy_at >= _LAZY_WINDOW_S:
+            sleep_s = _CALM_SLEEP_S
+        with self._mutex:
+            asleep = not self._incoming and not self._woken
+            self._woken = False
+            self._bell_sleep = sleep_s if asleep else 0.0
+        if asleep:
+            self._stats["bell_sleeps"] += 1
+            self._stats["bell_wakeups"] += self._bell.sleep(sleep_s)
+            with self._mutex:
+                self._bell_sleep = 0.0
+
+    def _calm(self) -> bool:
+        """Nothing in flight but the services' listening (their posted token
+        receives and small token sends, which need no progress from us to
+        finish): every message that could matter rings."""
+        return not (self._active or self._waiting or self._incoming
+                    or any(service.busy() for service in self._services))
 
     def _fail_patient(self) -> None:
         """Closing: a round nobody waited for (``Work.patient``) has no
@@ -395,14 +462,20 @@ class Engine:
     def _keep_spinning(self, idle_s: float) -> bool:
         """Whether the thread, ``idle_s`` seconds without progress, spins on:
         for ``_LISTEN_SPIN_S`` in any case, up to ``_SPIN_S`` while work
-        somebody waits for (not ``patient``) or a service's is in flight (not
-        just listeners waiting for a token). The services are asked only
-        after the short window."""
+        somebody waits for (not ``patient``) and no doorbell announces
+        (:meth:`_spin_for`), or a service's is in flight (not just listeners
+        waiting for a token). The services are asked only after the short
+        window."""
         if idle_s < _LISTEN_SPIN_S:
             return True
         return idle_s < _SPIN_S and bool(
-            self._waiting or any(not run.work.patient for run in self._active)
+            self._waiting or any(self._spin_for(run.work) for run in self._active)
             or any(service.busy() for service in self._services))
+
+    def _spin_for(self, work: Work) -> bool:
+        """Whether waiting for ``work``'s messages is worth a spin: someone
+        waits for it, and no ring will wake us when they come."""
+        return not work.patient and not (work.rings and self._bell is not None)
 
     def _take_incoming(self) -> None:
         if self._incoming:
@@ -466,7 +539,7 @@ class Engine:
                 with self._mutex:
                     self._drivers -= 1
                     if self._active or self._waiting or self._incoming or self._services:
-                        self._cv.notify()  # work remains in flight: the thread resumes
+                        self._notify()  # work remains in flight: the thread resumes
 
     # -- inline runs: small blocking collectives -------------------------------
     def run_inline(self, program: Program, data: np.ndarray, seq: int,
@@ -559,7 +632,7 @@ class Engine:
             self._stats["inline_handed_over"] += 1
             handle, run = work.handle, None  # handed over: the engine owns it now
             with self._mutex:
-                self._cv.notify()  # the progress thread goes on if no one drives
+                self._notify()  # the progress thread goes on if no one drives
             return handle
         except BaseException as exc:
             if line is not None and state is None:  # the straight line raised
@@ -829,6 +902,8 @@ class Engine:
                     continue
                 self._post(run, i, request)
                 if isinstance(op, Send):
+                    if run.work.rings:
+                        self.ring(op.peer)
                     stats["messages_sent"] += 1
                     stats["bytes_sent"] += op.src.count * dtype.itemsize
             except TransportError:

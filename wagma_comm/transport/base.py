@@ -16,6 +16,7 @@ import numpy as np
 
 from ..dtypes import DType
 from ..errors import TransportError
+from .doorbell import Doorbell
 
 # Channels keep traffic of different purposes apart (each maps to its own
 # duplicated communicator or tag space), so a debug fingerprint can never be
@@ -37,6 +38,9 @@ class Transport(ABC):
     size: int
     # (host, pid) of every rank when the transport knows them (liveness check)
     identities: list[tuple[str, int]] | None = None
+    # Wakes a peer's sleeping progress thread (transport/doorbell.py): only
+    # where every rank can reach every other's; None: the engine polls.
+    doorbell: Doorbell | None = None
 
     @property
     @abstractmethod
@@ -123,11 +127,8 @@ class Transport(ABC):
         order everywhere: called only after a barrier proved every rank there."""
 
     @abstractmethod
-    def close_channels(self, names: Sequence[str], free: bool = True) -> None:
-        """Release channels made by :meth:`open_channels` (local). ``free=False``:
-        messages to them may still arrive, so what they used (an MPI context)
-        stays allocated rather than go to a later channel that would then
-        receive those messages."""
+    def close_channels(self, names: Sequence[str]) -> None:
+        """Release channels made by :meth:`open_channels` (local)."""
 
     @abstractmethod
     def has_group(self, ranks: Sequence[int]) -> bool:

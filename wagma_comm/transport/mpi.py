@@ -8,6 +8,8 @@ the engine never lets two collectives ``window`` apart be in flight together.
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 from typing import Any, Callable, Sequence
 
@@ -18,6 +20,7 @@ from ..dtypes import DType
 from ..errors import TransportError
 from ..runtime.liveness import identity
 from .base import CHANNELS, MSG_BITS, Transport
+from .doorbell import Doorbell, doorbell_key
 
 # Channel communicators closed while messages to them may be in flight (a
 # collective that failed or was never closed). Freeing one would let MPI give
@@ -42,9 +45,12 @@ class MPITransport(Transport):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        # (host, pid) of every rank, for the liveness check; init is
-        # collective already (the Dup calls above), so this cannot hang alone.
-        self.identities = comm.allgather(identity())
+        # (host, pid) of every rank, for the liveness check, and what decides
+        # whether doorbells reach everyone; init is collective already (the
+        # Dup calls above), so this cannot hang alone.
+        gathered = comm.allgather((identity(), doorbell_key(), secrets.token_hex(8)))
+        self.identities = [who for who, _, _ in gathered]
+        self.doorbell = self._make_doorbell(comm, gathered)
         tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
         # Group creation gets a communicator of its own: Create_group's tag
@@ -54,6 +60,27 @@ class MPITransport(Transport):
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
         self._everyone = tuple(range(self.size))
         self._bound: dict[str, tuple[Any, Any]] = {}  # channel -> (Isend, Irecv)
+
+    def _make_doorbell(self, comm: MPI.Comm,
+                       gathered: list[tuple[tuple[str, int], str | None, str]]) -> Doorbell | None:
+        """Doorbells when every rank shares this host and network namespace
+        (decided alike everywhere from what was gathered), all under rank 0's
+        nonce. If any rank cannot bind its bell, or was started with
+        ``WAGMA_DOORBELL=0`` (A/B measurements), nobody uses them."""
+        hosts = {(who[0], key) for who, key, _ in gathered}
+        if len(hosts) != 1 or gathered[0][1] is None:
+            return None
+        bell: Doorbell | None = None
+        if os.environ.get("WAGMA_DOORBELL", "1") != "0":
+            try:
+                bell = Doorbell(gathered[0][2], self.rank, self.size)
+            except OSError:
+                bell = None
+        if comm.allreduce(bell is not None, op=MPI.LAND):
+            return bell
+        if bell is not None:
+            bell.close()
+        return None
 
     @property
     def seq_window(self) -> int:
@@ -241,6 +268,8 @@ class MPITransport(Transport):
         self._groups.clear()
         self._comms.clear()
         self._bound.clear()
+        if self.doorbell is not None:
+            self.doorbell.close()
         try:
             self._world_group.Free()
         except MPI.Exception:
