@@ -403,3 +403,53 @@ def test_demo_runs_end_to_end_at_a_tiny_size(comm: Communicator, rank_dir: str) 
         text = out.getvalue()
         assert "| wagma |" in text and "time to 50%" in text and "accuracy: wagma" in text
         assert os.path.getsize(plot) > 10_000
+
+
+# -- set-up of the gossip baselines' exchange ---------------------------------------------
+def test_a_rank_that_never_creates_the_exchange_is_named() -> None:
+    """D-PSGD/SGP duplicate the MPI communicator at set-up, and a plain Dup
+    waits forever for a rank that never comes: the timed arrival check first
+    names it."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import wagma_comm
+    from wagma_comm.errors import CollectiveTimeoutError
+    from wagma_comm.train.neighbors import NeighborExchange
+
+    c = wagma_comm.init(timeout=30)
+    slow = SIZE - 1
+    named: tuple[int, ...] = ()
+    if RANK != slow:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            NeighborExchange(WORLD, 0.5, "dpsgd exchange", arrive=lambda t: c.barrier(timeout=t))
+        assert info.value.collective == "dpsgd exchange" and info.value.ranks
+        assert time.monotonic() - t0 < 10.0
+        named = info.value.ranks  # the peers this rank waited for
+    everyone = set().union(*WORLD.allgather(named))
+    assert slow in everyone  # the absent rank is named by whoever waited for it
+    c.close(cancel=True)
+
+
+def test_the_duplication_itself_has_a_deadline() -> None:
+    """Without an arrival check, a duplication that a rank joins too late
+    fails at the exchange's deadline instead of blocking; the abandoned
+    duplication is kept (MPI cannot cancel it) and completes once the late
+    rank joins."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    from wagma_comm.errors import CollectiveTimeoutError
+    from wagma_comm.train import neighbors
+
+    sub = WORLD.Dup()
+    slow = SIZE - 1
+    if RANK != slow:
+        with pytest.raises(CollectiveTimeoutError, match="duplicating"):
+            neighbors.NeighborExchange(sub, 0.3, "sgp exchange")
+        dup, request = neighbors._ABANDONED.pop()
+    WORLD.Barrier()
+    if RANK == slow:  # joins late: the others' abandoned duplication completes
+        dup, request = sub.Idup()
+    request.Wait()
+    dup.Free()
+    sub.Free()

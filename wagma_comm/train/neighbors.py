@@ -12,7 +12,7 @@ finite deadline, and a peer that does not show up is named in a
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -22,6 +22,9 @@ __all__ = ["NeighborExchange", "resolve_mpi_comm"]
 
 _TAG_ROUNDS = 1024  # tags cycle over rounds; rounds complete in order per peer
 _MAX_BUFFERS = 32
+# (communicator, request) of duplications that timed out: MPI cannot cancel a
+# non-blocking collective, so they are kept alive, never freed under MPI.
+_ABANDONED: list[tuple[Any, Any]] = []
 
 
 def resolve_mpi_comm(comm: Any, mpi_comm: Any = None) -> Any:
@@ -49,15 +52,41 @@ class NeighborExchange:
     every rank; a round's messages are tagged by its number.
     """
 
-    def __init__(self, mpi_comm: Any, timeout: float, name: str) -> None:
-        self._comm = mpi_comm.Dup()
-        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+    def __init__(self, mpi_comm: Any, timeout: float, name: str,
+                 arrive: Callable[[float], Any] | None = None) -> None:
+        """``arrive(timeout)``: a timed barrier over the same ranks (the wagma
+        communicator's), run first because a duplication cannot say which
+        ranks never came; the duplication has its own deadline too."""
         self.timeout = timeout
         self.name = name
+        if arrive is not None:
+            try:
+                arrive(timeout)
+            except CollectiveTimeoutError as err:
+                raise CollectiveTimeoutError(
+                    name, -1, err.ranks, f"set-up: ranks {list(err.ranks)} did not create "
+                    f"this exchange within {timeout:g} s") from err
+        self._comm = self._duplicate(mpi_comm)
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._round = 0
         self._requests: list[Any] = []
         self._peers: list[int] = []  # the source of each receive request, in order
         self._broken: str | None = None
+
+    def _duplicate(self, mpi_comm: Any) -> Any:
+        """``mpi_comm.Dup()`` with the exchange's deadline (MPI_Comm_idup)."""
+        dup, request = mpi_comm.Idup()
+        deadline = time.monotonic() + self.timeout
+        nap = 0.0
+        while not request.Test():
+            if time.monotonic() > deadline:
+                _ABANDONED.append((dup, request))
+                raise CollectiveTimeoutError(
+                    self.name, -1, (), f"set-up: duplicating the MPI communicator did not "
+                    f"complete within {self.timeout:g} s (a rank never created this exchange)")
+            nap = min(1e-3, nap * 2 or 2e-5)
+            time.sleep(nap)
+        return dup
 
     def start(self, sends: Sequence[tuple[np.ndarray, Sequence[int]]],
               recvs: Sequence[tuple[Sequence[np.ndarray], Sequence[int]]]) -> None:

@@ -48,7 +48,8 @@ class _Gossip(Method):
 
     def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
         mc = resolve_mpi_comm(comm, self._mpi_comm)
-        self._exchange = NeighborExchange(mc, comm.timeout, f"{self.name} exchange")
+        self._exchange = NeighborExchange(mc, comm.timeout, f"{self.name} exchange",
+                                          arrive=lambda t: comm.barrier(timeout=t))
 
     def _post(self, buffers: list[np.ndarray], dests: list[int], sources: list[int]) -> None:
         assert self._exchange is not None
