@@ -141,10 +141,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout: float | None = None,
                  debug_mode: bool | None = None) -> None:
-        env_timeout = os.environ.get("WAGMA_TIMEOUT")
-        if timeout is None:
-            timeout = float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
-        self._timeout = _check_timeout(timeout)
+        self._timeout = _check_timeout(_default_timeout(timeout))
         self._transport = transport
         self._debug = _env_flag("WAGMA_DEBUG") if debug_mode is None else debug_mode
         liveness = (Liveness(transport.rank, transport.identities)
@@ -818,13 +815,23 @@ class Communicator:
         return out, tuple(requires), tuple(creates)
 
 
+def _default_timeout(timeout: float | None) -> float:
+    """``timeout``, else ``WAGMA_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
+    if timeout is not None:
+        return timeout
+    env_timeout = os.environ.get("WAGMA_TIMEOUT")
+    return float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
+
+
 def init(timeout: float | None = None, *, mpi_comm: Any = None,
          debug: bool | None = None) -> Communicator:
     """Create a communicator over ``mpi_comm`` (default MPI_COMM_WORLD).
 
     Works under ``mpiexec``/``srun`` and as a single process. MPI is initialised
     with MPI_THREAD_MULTIPLE (our progress thread calls MPI while your threads
-    may too). ``timeout`` is the default deadline of every collective (seconds).
+    may too). ``timeout`` is the default deadline of every collective (seconds),
+    and of ``init`` itself: a rank that never calls it makes the others raise
+    CollectiveTimeoutError instead of waiting forever.
     """
     if timeout is not None:
         _check_timeout(timeout)
@@ -837,4 +844,5 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
             "mpi4py", "MPI was initialised without MPI_THREAD_MULTIPLE; wagma_comm's "
             "progress thread needs it (leave mpi4py.rc.thread_level at 'multiple')")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    return Communicator(MPITransport(comm), timeout=timeout, debug_mode=debug)
+    transport = MPITransport(comm, timeout=_check_timeout(_default_timeout(timeout)))
+    return Communicator(transport, timeout=timeout, debug_mode=debug)

@@ -359,3 +359,47 @@ def test_timeout_names_collective_round_and_missing_ranks(debug: bool) -> None:
             c.allreduce(np.ones(4, np.float32))
     WORLD.Barrier()
     c.close(cancel=True)
+
+
+@pytest.mark.parametrize("what", ["init", "exchange"])
+def test_a_duplication_some_rank_never_joins_times_out(what: str) -> None:
+    """init() and the gossip baselines' set-up duplicate an MPI communicator,
+    which waits for every rank: a rank that never joins makes the others raise
+    CollectiveTimeoutError at the deadline instead of waiting forever. The
+    abandoned duplication is kept and completes once the late rank joins."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import time
+
+    from wagma_comm.train.neighbors import NeighborExchange
+    from wagma_comm.transport import mpi as mpi_transport
+
+    sub = WORLD.Dup()
+    slow = SIZE - 1
+    if RANK != slow:
+        t0 = time.monotonic()
+        with pytest.raises(wagma_comm.CollectiveTimeoutError, match="duplicating") as info:
+            if what == "init":
+                wagma_comm.init(timeout=0.3, mpi_comm=sub)
+            else:
+                NeighborExchange(sub, 0.3, "sgp exchange")  # no arrival check
+        named = {"init": "init()", "exchange": "sgp exchange set-up"}[what]
+        assert info.value.collective == named and time.monotonic() - t0 < 10.0
+        dup, request = mpi_transport.ABANDONED.pop()
+    WORLD.Barrier()
+    if RANK == slow:  # joins late: the others' abandoned duplication completes
+        dup, request = sub.Idup()
+    request.Wait()
+    dup.Free()
+    sub.Free()
+
+
+def test_close_frees_the_duplicate_init_made_first() -> None:
+    from wagma_comm.transport import mpi as mpi_transport
+
+    abandoned = len(mpi_transport.ABANDONED)
+    with wagma_comm.init(timeout=30) as c:
+        base = c._transport._base
+        assert base != MPI.COMM_NULL and base.Get_size() == SIZE
+    assert base == MPI.COMM_NULL  # mpi4py nulls a freed handle
+    assert len(mpi_transport.ABANDONED) == abandoned

@@ -430,26 +430,3 @@ def test_a_rank_that_never_creates_the_exchange_is_named() -> None:
     assert slow in everyone  # the absent rank is named by whoever waited for it
     c.close(cancel=True)
 
-
-def test_the_duplication_itself_has_a_deadline() -> None:
-    """Without an arrival check, a duplication that a rank joins too late
-    fails at the exchange's deadline instead of blocking; the abandoned
-    duplication is kept (MPI cannot cancel it) and completes once the late
-    rank joins."""
-    if SIZE == 1:
-        pytest.skip("a missing rank needs two ranks")
-    from wagma_comm.errors import CollectiveTimeoutError
-    from wagma_comm.train import neighbors
-
-    sub = WORLD.Dup()
-    slow = SIZE - 1
-    if RANK != slow:
-        with pytest.raises(CollectiveTimeoutError, match="duplicating"):
-            neighbors.NeighborExchange(sub, 0.3, "sgp exchange")
-        dup, request = neighbors._ABANDONED.pop()
-    WORLD.Barrier()
-    if RANK == slow:  # joins late: the others' abandoned duplication completes
-        dup, request = sub.Idup()
-    request.Wait()
-    dup.Free()
-    sub.Free()

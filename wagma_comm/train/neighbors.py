@@ -22,9 +22,6 @@ __all__ = ["NeighborExchange", "resolve_mpi_comm"]
 
 _TAG_ROUNDS = 1024  # tags cycle over rounds; rounds complete in order per peer
 _MAX_BUFFERS = 32
-# (communicator, request) of duplications that timed out: MPI cannot cancel a
-# non-blocking collective, so they are kept alive, never freed under MPI.
-_ABANDONED: list[tuple[Any, Any]] = []
 
 
 def resolve_mpi_comm(comm: Any, mpi_comm: Any = None) -> Any:
@@ -66,27 +63,14 @@ class NeighborExchange:
                 raise CollectiveTimeoutError(
                     name, -1, err.ranks, f"set-up: ranks {list(err.ranks)} did not create "
                     f"this exchange within {timeout:g} s") from err
-        self._comm = self._duplicate(mpi_comm)
+        from ..transport.mpi import dup_with_deadline
+
+        self._comm = dup_with_deadline(mpi_comm, timeout, f"{name} set-up")
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._round = 0
         self._requests: list[Any] = []
         self._peers: list[int] = []  # the source of each receive request, in order
         self._broken: str | None = None
-
-    def _duplicate(self, mpi_comm: Any) -> Any:
-        """``mpi_comm.Dup()`` with the exchange's deadline (MPI_Comm_idup)."""
-        dup, request = mpi_comm.Idup()
-        deadline = time.monotonic() + self.timeout
-        nap = 0.0
-        while not request.Test():
-            if time.monotonic() > deadline:
-                _ABANDONED.append((dup, request))
-                raise CollectiveTimeoutError(
-                    self.name, -1, (), f"set-up: duplicating the MPI communicator did not "
-                    f"complete within {self.timeout:g} s (a rank never created this exchange)")
-            nap = min(1e-3, nap * 2 or 2e-5)
-            time.sleep(nap)
-        return dup
 
     def start(self, sends: Sequence[tuple[np.ndarray, Sequence[int]]],
               recvs: Sequence[tuple[Sequence[np.ndarray], Sequence[int]]]) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import DType
-from ..errors import TransportError
+from ..errors import CollectiveTimeoutError, TransportError
 from ..runtime.liveness import identity
 from .base import CHANNELS, MSG_BITS, Transport
 from .doorbell import Doorbell, doorbell_key
@@ -27,6 +27,28 @@ from .doorbell import Doorbell, doorbell_key
 # its context to a later communicator, whose receives would then match those
 # messages (docs/partial.md, "Closing"); they are kept, unfreed, instead.
 _KEPT: list[MPI.Comm] = []
+# (communicator, request) of duplications abandoned at their deadline: MPI
+# cannot cancel a non-blocking collective, so they stay referenced, unfreed.
+ABANDONED: list[tuple[MPI.Comm, MPI.Request]] = []
+
+
+def dup_with_deadline(comm: MPI.Comm, timeout: float, what: str) -> MPI.Comm:
+    """``comm.Dup()`` that raises CollectiveTimeoutError after ``timeout``
+    seconds (MPI_Comm_idup) instead of waiting forever for a rank that never
+    takes part. ``what`` names the call in the error. MPI cannot say which
+    ranks are missing from a duplication, so the error names none."""
+    dup, request = comm.Idup()
+    deadline = time.monotonic() + timeout
+    nap = 0.0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            ABANDONED.append((dup, request))
+            raise CollectiveTimeoutError(
+                what, -1, (), f"duplicating the MPI communicator did not complete within "
+                f"{timeout:g} s: some rank never called {what}")
+        nap = min(1e-3, nap * 2 or 2e-5)  # ranks may outnumber cores
+        time.sleep(nap)
+    return dup
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
@@ -39,7 +61,11 @@ class _SendRequest(MPI.Request):
 class MPITransport(Transport):
     name = "mpi"
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, timeout: float = 300.0) -> None:
+        # Every rank must arrive within ``timeout``; once this duplication
+        # completes, all have, so the calls below cannot wait for an absent one.
+        user_comm, comm = comm, dup_with_deadline(comm, timeout, "init()")
+        self._base = comm
         self._comms = {ch: comm.Dup() for ch in CHANNELS}
         for c in self._comms.values():
             c.Set_errhandler(MPI.ERRORS_RETURN)
@@ -51,7 +77,7 @@ class MPITransport(Transport):
         gathered = comm.allgather((identity(), doorbell_key(), secrets.token_hex(8)))
         self.identities = [who for who, _, _ in gathered]
         self.doorbell = self._make_doorbell(comm, gathered)
-        tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
+        tag_ub = user_comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
         # Group creation gets a communicator of its own: Create_group's tag
         # must not collide with any (seq, msg) tag of a channel.
@@ -259,7 +285,8 @@ class MPITransport(Transport):
         # closed: their peers' messages may still arrive, so they are kept.
         self.close_channels([name for name in self._comms if name not in CHANNELS],
                             free=False)
-        comms = list(self._groups.values()) + list(self._comms.values()) + [self._create_comm]
+        comms = (list(self._groups.values()) + list(self._comms.values())
+                 + [self._create_comm, self._base])
         for comm in comms:
             try:
                 comm.Free()
