@@ -50,6 +50,7 @@ def dup_with_deadline(comm: MPI.Comm, timeout: float, what: str) -> MPI.Comm:
         time.sleep(nap)
     return dup
 
+
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 
 
