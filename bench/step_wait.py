@@ -29,7 +29,7 @@ import wagma_comm
 from wagma_comm import demo
 from wagma_comm import imbalance as imb
 from wagma_comm.cli import build_parser
-from wagma_comm.train import DistributedOptimizer, default_group_size
+from wagma_comm.train import default_group_size
 
 
 def run_once(comm, method: str, seed: int, data, o, injector, iterations: int):
@@ -38,12 +38,7 @@ def run_once(comm, method: str, seed: int, data, o, injector, iterations: int):
     import torch
     import torch.nn.functional as F
 
-    torch.manual_seed(seed)
-    model = demo.make_model(o.hidden)
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
-        model=model, group_size=o.group_size, sync_every=o.sync_every, seed=seed,
-        activation=o.activation, round_start=o.round_start)
+    model, opt = demo.make_trainer(comm, method, seed, o)
     shard = demo.make_shard(data.y_train.numpy(), comm.rank, comm.size, seed, o.shards)
     rng = np.random.default_rng([seed, comm.rank])
     rows = []

@@ -833,8 +833,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     and of ``init`` itself: a rank that never calls it makes the others raise
     CollectiveTimeoutError instead of waiting forever.
     """
-    if timeout is not None:
-        _check_timeout(timeout)
+    deadline_s = _check_timeout(_default_timeout(timeout))  # before any MPI call
     from mpi4py import MPI
 
     from .transport.mpi import MPITransport
@@ -844,5 +843,5 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
             "mpi4py", "MPI was initialised without MPI_THREAD_MULTIPLE; wagma_comm's "
             "progress thread needs it (leave mpi4py.rc.thread_level at 'multiple')")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-    transport = MPITransport(comm, timeout=_check_timeout(_default_timeout(timeout)))
-    return Communicator(transport, timeout=timeout, debug_mode=debug)
+    return Communicator(MPITransport(comm, timeout=deadline_s), timeout=deadline_s,
+                        debug_mode=debug)

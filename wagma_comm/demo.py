@@ -131,6 +131,22 @@ def make_model(hidden: int) -> Any:
                                torch.nn.Linear(hidden, 10))
 
 
+def make_trainer(comm: Any, method: str, seed: int, o: argparse.Namespace) -> tuple[Any, Any]:
+    """Collective: the demo's model (seeded) and its wrapped SGD optimizer for
+    ``method``, from the demo's options (also used by bench/step_wait.py)."""
+    import torch
+
+    from .train import DistributedOptimizer
+
+    torch.manual_seed(seed)
+    model = make_model(o.hidden)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
+        model=model, group_size=o.group_size or None, sync_every=o.sync_every, seed=seed,
+        activation=o.activation, round_start=o.round_start)
+    return model, opt
+
+
 def accuracy(model: Any, x: Any, y: Any) -> float:
     import torch
 
@@ -182,15 +198,8 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     import torch
     import torch.nn.functional as F
 
-    from .train import DistributedOptimizer
-
     P, rank = comm.size, comm.rank
-    torch.manual_seed(seed)
-    model = make_model(o.hidden)
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
-        model=model, group_size=o.group_size or None, sync_every=o.sync_every, seed=seed,
-        activation=o.activation, round_start=o.round_start)
+    model, opt = make_trainer(comm, method, seed, o)
     shard = make_shard(data.y_train.numpy(), rank, P, seed, o.shards)
     per_epoch = max(1, len(shard) // o.batch)
     total = iterations if iterations is not None else o.epochs * per_epoch
