@@ -7,10 +7,13 @@ job (docs/scale.md)."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
+import pytest
 from mpi4py import MPI
 
+import wagma_comm
 from wagma_comm import Communicator
 from wagma_comm.sim import CostModel, Workload, simulate
 from wagma_comm.sim.calibrate import PING_SIZES, calibrate
@@ -51,3 +54,30 @@ def test_calibration_measures_every_parameter(comm: Communicator, tmp_path_facto
     w = Workload(SIZE, 1024, 0.01, "reference:0.01:1", steps=4, sync_every=2)
     res = simulate("wagma", w, model)
     assert 0 < res.iterations_per_s < 100  # bounded by the 10 ms compute step
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank that stays away")
+def test_a_rank_that_stops_taking_part_is_a_timeout_naming_the_step() -> None:
+    """Calibration's own MPI calls are bounded by the communicator's timeout:
+    a rank that joins the private duplicate and then stays away makes the
+    others raise, naming the step, instead of hanging."""
+    from wagma_comm.sim.calibrate import _World
+    from wagma_comm.transport import mpi as mpi_transport
+
+    slow = SIZE - 1
+    with wagma_comm.init(timeout=0.5) as short:
+        if RANK != slow:
+            t0 = time.monotonic()
+            with pytest.raises(wagma_comm.CollectiveTimeoutError, match="0.5 s") as info:
+                calibrate(short, repeats=1)
+            assert info.value.collective == "wagma sim --calibrate: host names"
+            assert time.monotonic() - t0 < 10.0
+            _, request = mpi_transport.ABANDONED.pop()
+        else:
+            late = _World(30.0)  # joins the duplication, then stays away
+        WORLD.Barrier()
+        if RANK == slow:  # joins late: the others' abandoned gather completes
+            late.host_names()
+            late.free()
+        else:
+            request.Wait()

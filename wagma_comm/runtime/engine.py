@@ -211,6 +211,7 @@ class Engine:
         self._owners: list[tuple[_Run, int]] = []
         self._plans: dict[int, tuple[Schedule, Any]] = {}
         self._programs: dict[tuple[int, str], tuple[Schedule, Program]] = {}
+        self._counts_lock = threading.Lock()  # statistics() against the programs' fold
         self.generation = 0  # bumped when the programs above are forgotten
         self._tag_base = transport.tag_base
         self._pool = ScratchPool()
@@ -348,9 +349,10 @@ class Engine:
                 + self._inline_runs)
 
     def statistics(self) -> dict[str, int]:
-        stats = dict(self._stats)
-        for _, program in list(self._programs.values()):
-            _add_program_counts(stats, program, program.runs)
+        with self._counts_lock:  # not between a fold and the clear that follows it
+            stats = dict(self._stats)
+            for _, program in list(self._programs.values()):
+                _add_program_counts(stats, program, program.runs)
         stats["in_flight"] = self.in_flight()
         stats["doorbell"] = self._bell is not None
         stats["bell_rings"] = self._bell.rings if self._bell is not None else 0
@@ -741,8 +743,9 @@ class Engine:
         cached = self._programs.get(key)
         if cached is None or cached[0] is not schedule:
             if len(self._programs) >= _PROGRAM_CACHE_LIMIT:  # each holds its scratch
-                self._fold_program_counts()
-                self._programs.clear()
+                with self._counts_lock:
+                    self._fold_program_counts()
+                    self._programs.clear()
                 self.generation += 1
             program = Program(schedule, dtype, self._transport, self._plan_of(schedule))
             if STRAIGHT_LINES and straight_safe(schedule):

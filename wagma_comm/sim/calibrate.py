@@ -30,9 +30,11 @@ import time
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from ..dtypes import FLOAT32
 from ..kernels import host as host_kernels
+from ..transport.mpi import dup_with_deadline, wait_with_deadline
 from .collectives import Collectives
 from .cost import CostModel
 
@@ -41,12 +43,56 @@ KERNEL_ELEMENTS = (1 << 18, 1 << 20, 1 << 22)
 FIT_ELEMENTS = (2, 1 << 18, 1 << 20)  # float32: 8 B, 1 MiB, 4 MiB
 
 
-def _quiet_wait(mpi_comm: Any) -> None:
-    """A barrier that sleeps instead of spinning (idle ranks must not steal
-    the cores the measuring pair runs on)."""
-    req = mpi_comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.0005)
+class _World:
+    """The calibration's own MPI traffic, on a private duplicate of
+    COMM_WORLD. Every wait is bounded by the communicator's timeout, so a rank
+    that stops taking part becomes a CollectiveTimeoutError naming the step
+    instead of a hang; waits outside the timed loops nap, leaving the cores
+    to the ranks being measured."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.comm = dup_with_deadline(MPI.COMM_WORLD, timeout, "wagma sim --calibrate")
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+
+    def wait(self, request: Any, uses: Any, step: str, ranks: tuple[int, ...] = (),
+             spin: bool = False) -> None:
+        wait_with_deadline(request, uses, time.monotonic() + self.timeout,
+                           f"wagma sim --calibrate: {step}", ranks,
+                           f"not complete within {self.timeout:g} s", 0.0 if spin else 1e-3)
+
+    def barrier(self, step: str) -> None:
+        self.wait(self.comm.Ibarrier(), None, step)
+
+    def gather(self, value: float, step: str) -> list[float]:
+        """Every rank's ``value``, in rank order."""
+        out = np.zeros(self.size, dtype=np.float64)
+        mine = np.array([value], dtype=np.float64)
+        self.wait(self.comm.Iallgather(mine, out), (mine, out), step)
+        return out.tolist()
+
+    def largest(self, value: float, step: str) -> float:
+        out = np.zeros(1, dtype=np.float64)
+        mine = np.array([value], dtype=np.float64)
+        self.wait(self.comm.Iallreduce(mine, out, op=MPI.MAX), (mine, out), step)
+        return float(out[0])
+
+    def share(self, array: np.ndarray, step: str) -> np.ndarray:
+        """Rank 0's ``array`` (same shape and dtype on every rank) everywhere."""
+        self.wait(self.comm.Ibcast(array, root=0), array, step)
+        return array
+
+    def host_names(self) -> list[str]:
+        width = MPI.MAX_PROCESSOR_NAME + 1
+        mine = np.zeros(width, dtype=np.uint8)
+        name = MPI.Get_processor_name().encode()[: width - 1]
+        mine[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+        out = np.zeros((self.size, width), dtype=np.uint8)
+        self.wait(self.comm.Iallgather(mine, out), (mine, out), "host names")
+        return [bytes(row).rstrip(b"\0").decode() for row in out]
+
+    def free(self) -> None:
+        self.comm.Free()
 
 
 def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -57,24 +103,25 @@ def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return max(float(a), 0.0), max(float(b), 1e-15)
 
 
-def _ping_pong(mpi_comm: Any, peer: int, repeats: int) -> list[tuple[int, float]]:
-    """Half round-trip seconds per size between rank 0 and ``peer``."""
-    rank = mpi_comm.Get_rank()
+def _ping_pong(world: _World, peer: int, repeats: int) -> list[tuple[int, float]]:
+    """Half round-trip seconds per size between rank 0 and ``peer`` (the
+    pair spins on its requests, as a blocking MPI call would)."""
     out = []
     for n in PING_SIZES:
         buf = np.zeros(max(n, 1), dtype=np.uint8)
         times = []
-        _quiet_wait(mpi_comm)
-        if rank in (0, peer):
-            other = peer if rank == 0 else 0
+        world.barrier(f"ping-pong {n} B")
+        if world.rank in (0, peer):
+            other = peer if world.rank == 0 else 0
+            step = f"ping-pong {n} B"
             for i in range(repeats + 2):
                 t0 = time.perf_counter()
-                if rank == 0:
-                    mpi_comm.Send(buf, other, 7)
-                    mpi_comm.Recv(buf, other, 7)
+                if world.rank == 0:
+                    world.wait(world.comm.Isend(buf, other, 7), buf, step, (other,), spin=True)
+                    world.wait(world.comm.Irecv(buf, other, 7), buf, step, (other,), spin=True)
                 else:
-                    mpi_comm.Recv(buf, other, 7)
-                    mpi_comm.Send(buf, other, 7)
+                    world.wait(world.comm.Irecv(buf, other, 7), buf, step, (other,), spin=True)
+                    world.wait(world.comm.Isend(buf, other, 7), buf, step, (other,), spin=True)
                 if i >= 2:
                     times.append((time.perf_counter() - t0) / 2)
         out.append((n, statistics.median(times) if times else 0.0))
@@ -102,11 +149,10 @@ def _kernel_rates(repeats: int) -> tuple[float, float, list[dict[str, float]]]:
     return statistics.median(reduce_fit), statistics.median(copy_fit), rows
 
 
-def _timed_calls(comm: Any, buf: np.ndarray, group_size: int, repeats: int) -> float:
+def _timed_calls(comm: Any, world: _World, buf: np.ndarray, group_size: int,
+                 repeats: int) -> float:
     """Seconds per blocking group_allreduce (sum) of ``buf`` over groups of
     ``group_size`` at step 0, the slowest rank's median of 3 timed batches."""
-    from mpi4py import MPI
-
     per_call = []
     for _ in range(3):
         comm.barrier()
@@ -114,18 +160,17 @@ def _timed_calls(comm: Any, buf: np.ndarray, group_size: int, repeats: int) -> f
         for i in range(repeats):
             comm.group_allreduce(buf, group_size, 0, "sum")
         per_call.append((time.perf_counter() - t0) / repeats)
-    return MPI.COMM_WORLD.allreduce(statistics.median(per_call), op=MPI.MAX)
+    return world.largest(statistics.median(per_call),
+                         f"group_allreduce timing, groups of {group_size}, {buf.nbytes} B")
 
 
 def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
     """Measure every parameter (collective: all ranks call it). Returns the
     model and the raw measurements (the same on every rank)."""
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD.Dup()
+    world = _World(comm.timeout)
     try:
-        P = world.Get_size()
-        hosts = world.allgather(MPI.Get_processor_name())
+        P = world.size
+        hosts = world.host_names()
         per_node = hosts.count(hosts[0])
         placed_in_blocks = all(hosts[r] == hosts[(r // per_node) * per_node] for r in range(P))
         intra_peer = next((r for r in range(1, P) if hosts[r] == hosts[0]), None)
@@ -138,7 +183,8 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
         for label, peer in (("intra", intra_peer), ("inter", inter_peer)):
             if peer is None:
                 continue
-            table = world.bcast(_ping_pong(world, peer, repeats), root=0)
+            measured = np.array(_ping_pong(world, peer, repeats), dtype=np.float64)
+            table = [(int(n), float(t)) for n, t in world.share(measured, f"{label} table")]
             raw[f"ping_pong_{label}"] = [{"bytes": n, "half_rtt_s": t} for n, t in table]
             x = np.array([n for n, _ in table], float)
             y = np.array([t for _, t in table], float)
@@ -148,14 +194,14 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
         if "inter" not in fits:
             fits["inter"] = fits["intra"]
             raw["inter_node"] = "not measured (one node): taken equal to intra-node"
-        world.Barrier()
+        world.barrier("kernel rates")
         reduce_b, copy_b, kernel_rows = _kernel_rates(max(5, repeats // 3))
-        reduce_b = statistics.median(world.allgather(reduce_b))
-        copy_b = statistics.median(world.allgather(copy_b))
+        reduce_b = statistics.median(world.gather(reduce_b, "reduction rates"))
+        copy_b = statistics.median(world.gather(copy_b, "copy rates"))
         raw["kernels_rank0"] = kernel_rows
 
         one = np.zeros(2, dtype=np.float32)
-        call = _timed_calls(comm, one, 1, repeats)
+        call = _timed_calls(comm, world, one, 1, repeats)
         pp = CostModel(
             latency_intra_s=fits["intra"][0], latency_inter_s=fits["inter"][0],
             bandwidth_intra=1 / fits["intra"][1], bandwidth_inter=1 / fits["inter"][1],
@@ -168,7 +214,7 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
                 reps = repeats if elements < 4096 else max(3, repeats // 6)
                 buf = np.zeros(elements, dtype=np.float32)
                 rows.append({"group_size": S, "bytes": 4 * elements,
-                             "measured_s": _timed_calls(comm, buf, S, reps)})
+                             "measured_s": _timed_calls(comm, world, buf, S, reps)})
         model = _fit_overheads(pp, rows, P)
         raw["contention_factor"] = pp.bandwidth_intra / model.bandwidth_intra
         for row in rows:
@@ -180,7 +226,7 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
                    f"{per_node} per node, {time.strftime('%Y-%m-%d')}")
         return model, raw
     finally:
-        world.Free()
+        world.free()
 
 
 def _simulated(model: CostModel, P: int, row: dict[str, Any]) -> float:

@@ -27,9 +27,27 @@ from .doorbell import Doorbell, doorbell_key
 # its context to a later communicator, whose receives would then match those
 # messages (docs/partial.md, "Closing"); they are kept, unfreed, instead.
 _KEPT: list[MPI.Comm] = []
-# (communicator, request) of duplications abandoned at their deadline: MPI
-# cannot cancel a non-blocking collective, so they stay referenced, unfreed.
-ABANDONED: list[tuple[MPI.Comm, MPI.Request]] = []
+# (what a request still uses: its communicator or buffer, the request) of MPI
+# operations abandoned at their deadline: MPI cannot cancel a non-blocking
+# collective, and a receive may still land, so both stay referenced, unfreed.
+ABANDONED: list[tuple[Any, MPI.Request]] = []
+
+
+def wait_with_deadline(request: MPI.Request, uses: Any, deadline: float, what: str,
+                       ranks: Sequence[int] = (), detail: str = "did not complete",
+                       nap_limit: float = 1e-3) -> None:
+    """Test ``request`` until it completes, napping up to ``nap_limit`` s between
+    tests (ranks may outnumber cores; 0 spins). Past ``deadline``
+    (``time.monotonic()``) the request and what it ``uses`` go to ABANDONED and
+    CollectiveTimeoutError names ``what`` and the ``ranks`` waited for."""
+    nap = 0.0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            ABANDONED.append((uses, request))
+            raise CollectiveTimeoutError(what, -1, ranks, detail)
+        if nap_limit:
+            nap = min(nap_limit, nap * 2 or 2e-5)
+            time.sleep(nap)
 
 
 def dup_with_deadline(comm: MPI.Comm, timeout: float, what: str) -> MPI.Comm:
@@ -38,16 +56,9 @@ def dup_with_deadline(comm: MPI.Comm, timeout: float, what: str) -> MPI.Comm:
     takes part. ``what`` names the call in the error. MPI cannot say which
     ranks are missing from a duplication, so the error names none."""
     dup, request = comm.Idup()
-    deadline = time.monotonic() + timeout
-    nap = 0.0
-    while not request.Test():
-        if time.monotonic() > deadline:
-            ABANDONED.append((dup, request))
-            raise CollectiveTimeoutError(
-                what, -1, (), f"duplicating the MPI communicator did not complete within "
-                f"{timeout:g} s: some rank never called {what}")
-        nap = min(1e-3, nap * 2 or 2e-5)  # ranks may outnumber cores
-        time.sleep(nap)
+    wait_with_deadline(request, dup, time.monotonic() + timeout, what,
+                       detail=f"duplicating the MPI communicator did not complete within "
+                       f"{timeout:g} s: some rank never called {what}")
     return dup
 
 
