@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -403,3 +404,29 @@ def test_close_frees_the_duplicate_init_made_first() -> None:
         assert base != MPI.COMM_NULL and base.Get_size() == SIZE
     assert base == MPI.COMM_NULL  # mpi4py nulls a freed handle
     assert len(mpi_transport.ABANDONED) == abandoned
+
+
+def test_exchange_bytes_shares_rank_0s_bytes_and_times_out_keeping_its_buffer() -> None:
+    """The NCCL unique id's exchange (MPI only, so testable without a GPU):
+    every rank gets rank 0's bytes; when rank 0 stays away the others raise a
+    TimeoutError, their broadcast's request and buffer kept for MPI, and the
+    bytes land there once rank 0 joins."""
+    from wagma_comm.transport import mpi as mpi_transport
+
+    with wagma_comm.init(timeout=30) as c:
+        transport = c._transport
+        payload = bytes(range(16)) if RANK == 0 else None
+        assert transport.exchange_bytes(payload, 16, time.monotonic() + 30) == bytes(range(16))
+        if SIZE == 1:
+            return
+        if RANK != 0:  # rank 0, the root, stays away
+            with pytest.raises(TimeoutError, match="NCCL unique id"):
+                transport.exchange_bytes(None, 16, time.monotonic() + 0.3)
+            buf, request = mpi_transport.ABANDONED.pop()
+            assert isinstance(buf, bytearray) and bytes(buf) == bytes(16)
+        WORLD.Barrier()
+        if RANK == 0:  # joins late: the others' abandoned broadcast completes
+            assert transport.exchange_bytes(payload, 16, time.monotonic() + 30) == payload
+        else:
+            request.Wait()
+            assert bytes(buf) == bytes(range(16))

@@ -110,18 +110,16 @@ def _ping_pong(world: _World, peer: int, repeats: int) -> list[tuple[int, float]
     for n in PING_SIZES:
         buf = np.zeros(max(n, 1), dtype=np.uint8)
         times = []
-        world.barrier(f"ping-pong {n} B")
+        step = f"ping-pong {n} B"
+        world.barrier(step)
         if world.rank in (0, peer):
             other = peer if world.rank == 0 else 0
-            step = f"ping-pong {n} B"
+            send, recv = world.comm.Isend, world.comm.Irecv
+            order = (send, recv) if world.rank == 0 else (recv, send)
             for i in range(repeats + 2):
                 t0 = time.perf_counter()
-                if world.rank == 0:
-                    world.wait(world.comm.Isend(buf, other, 7), buf, step, (other,), spin=True)
-                    world.wait(world.comm.Irecv(buf, other, 7), buf, step, (other,), spin=True)
-                else:
-                    world.wait(world.comm.Irecv(buf, other, 7), buf, step, (other,), spin=True)
-                    world.wait(world.comm.Isend(buf, other, 7), buf, step, (other,), spin=True)
+                for post in order:
+                    world.wait(post(buf, other, 7), buf, step, (other,), spin=True)
                 if i >= 2:
                     times.append((time.perf_counter() - t0) / 2)
         out.append((n, statistics.median(times) if times else 0.0))

@@ -178,7 +178,8 @@ class MPITransport(Transport):
     def exchange_bytes(self, data: bytes | None, nbytes: int, deadline: float) -> bytes:
         """Rank 0's ``data`` (``nbytes`` long) on every rank, e.g. the NCCL
         unique id. Non-blocking broadcast polled until ``deadline``: a rank
-        that never comes makes this raise TimeoutError instead of hanging.
+        that never comes makes this raise CollectiveTimeoutError (a
+        TimeoutError) instead of hanging, the buffer kept for MPI.
         Progress thread only (the creation communicator is its own)."""
         buf = bytearray(nbytes)
         if self.rank == 0:
@@ -186,11 +187,9 @@ class MPITransport(Transport):
                 raise TransportError(f"exchange_bytes: rank 0 must give {nbytes} bytes")
             buf[:] = data
         request = self._create_comm.Ibcast([buf, MPI.BYTE], root=0)
-        while not request.Test():
-            if time.monotonic() > deadline:
-                raise TimeoutError("not every rank joined the exchange of the NCCL "
-                                   "unique id by the deadline")
-            time.sleep(50e-6)
+        wait_with_deadline(request, buf, deadline, "exchange of the NCCL unique id",
+                           detail="not every rank joined it by the deadline",
+                           nap_limit=50e-6)
         return bytes(buf)
 
     # -- native collectives -------------------------------------------------
