@@ -32,6 +32,8 @@ from .runtime.engine import LAZY, NOT_INLINE, Engine, Stage, Work
 from .runtime.handle import Handle
 from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
+from .runtime.shared import ALGORITHM as SHARED_MEMORY
+from .runtime.shared import SharedCall, SharedExchange, describe
 from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
 from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
@@ -39,6 +41,9 @@ from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
 INLINE_MAX_BYTES = 64 << 10
 """Blocking collectives up to this size run on the calling thread when nothing
 else is in flight (runtime/inline.py): small messages cost their Python."""
+
+REDUCE_ALGORITHMS = algorithms.ALLREDUCE_ALGORITHMS + (SHARED_MEMORY,)
+"""What ``algorithm=`` of allreduce and group_allreduce on host memory takes."""
 
 _PREPARED_LIMIT = 1024  # distinct reduction calls remembered per communicator
 
@@ -107,6 +112,10 @@ def _nan_check(collective: str, op: str, buffer: Buffer) -> Callable[[], None]:
     return check
 
 
+def _cancelled() -> CommunicatorClosedError:
+    return CommunicatorClosedError("communicator closed while in flight (cancel=True)")
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
@@ -148,6 +157,12 @@ class Communicator:
                     if transport.identities else None)
         self._liveness = liveness
         self._engine = Engine(transport, liveness=liveness)
+        segment = transport.shared_segment
+        # Small reductions through shared memory (runtime/shared.py): only
+        # where the transport mapped a segment on every rank.
+        self._shared = (SharedExchange(segment, transport.rank, liveness, self._break,
+                                       self._engine)
+                        if segment is not None else None)
         self._monitor = (Monitor(liveness, self._engine.in_flight)
                          if liveness is not None and liveness.checkable else None)
         self._lock = threading.Lock()  # sequence numbers and submission order
@@ -383,6 +398,10 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+        if self._shared is not None:
+            # Every exchange in flight finishes (or fails): no peer waits for
+            # this rank to read its row.
+            self._shared.drain(_cancelled() if cancel else None)
         self._forget()
         self._drain_gpu(cancel)
         self._engine.close(cancel=cancel, timeout=self._timeout + 10.0)
@@ -423,10 +442,12 @@ class Communicator:
                 return
             self._closed = True
         self._forget()
-        before = self._engine.statistics()
+        before = self.statistics()
         pending = before["in_flight"]
         env = os.environ.get("WAGMA_EXIT_DRAIN")
         drain = min(self._timeout, float(env) if env else EXIT_DRAIN_S)
+        shared_cancelled = (self._shared.drain(_cancelled(), until=time.monotonic() + drain)
+                            if self._shared is not None else 0)
         where = f"wagma_comm: rank {self.rank}/{self.size}:"
         unclosed = sorted(p.kind for p in list(self._persistent) if not p._closed)
         if unclosed:
@@ -443,7 +464,8 @@ class Communicator:
         cancelled = self._engine.alive()
         if cancelled:
             self._engine.close(cancel=True, timeout=5.0)
-        failed = self._engine.statistics()["failed"] - before["failed"]
+        cancelled = cancelled or shared_cancelled > 0
+        failed = self.statistics()["failed"] - before["failed"]
         if failed or cancelled:
             how = ("cancelled with CommunicatorClosedError after the drain" if cancelled
                    else "failed or timed out")
@@ -469,6 +491,12 @@ class Communicator:
             if count:
                 calls[collective] = calls.get(collective, 0) + count
         stats["calls"] = calls
+        shared = self._shared
+        if shared is not None:  # its calls count as the engine's do
+            stats["completed"] += shared.completed
+            stats["failed"] += shared.failed
+            stats["in_flight"] += len(shared.in_flight())
+        stats["shared_memory_calls"] = 0 if shared is None else shared.posted
         stats["broken"] = None if self._engine.broken is None else str(self._engine.broken)
         if self._gpu is not None:
             stats.update(self._gpu.stats)
@@ -521,6 +549,11 @@ class Communicator:
         sched, text = prepared
         check = (_nan_check(collective, op, buffer)
                  if op in ("max", "min") and buffer.dtype.is_float else None)
+        if isinstance(sched, SharedCall):
+            if fast_key is not None and check is None and key is not None:
+                self._remember_shared(fast_key, buf, sched, buffer)
+            return self._submit_shared(sched, buffer.host_array(), buffer.owner, deadline_s,
+                                       async_op, check)
         if fast_key is not None and check is None and key is not None:
             self._remember_fast(fast_key, collective, buf, sched, text, buffer)
         return self._submit(collective, text, sched, buffer, deadline_s, async_op,
@@ -541,6 +574,18 @@ class Communicator:
             return NOT_INLINE  # the full path names the problem
         return self._submit_small(
             fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf, async_op)
+
+    def _remember_shared(self, fast_key: tuple[Any, ...], buf: np.ndarray, call: SharedCall,
+                         buffer: Buffer) -> None:
+        """As :meth:`_remember_fast`, for a shared-memory exchange: its own
+        SharedCall per key (``flat`` depends on the array's shape)."""
+        flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
+        mine = SharedCall(call.collective, call.members, call.count, call.dtype, call.op,
+                          call.text, flat)
+        with self._lock:
+            if len(self._fast) >= _PREPARED_LIMIT:
+                self._fast.clear()
+            self._fast.setdefault(fast_key, mine)
 
     def _remember_fast(self, fast_key: tuple[Any, ...], collective: str, buf: np.ndarray,
                        sched: Schedule, text: str, buffer: Buffer) -> None:
@@ -563,12 +608,20 @@ class Communicator:
                                              self._engine, counter)
 
     def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
-                        op: str, algorithm: Any, extra: str) -> tuple[Schedule, str]:
-        """The schedule and the description (debug fingerprint, timeouts) of a
-        reduction, its algorithm checked or chosen by size."""
+                        op: str, algorithm: Any, extra: str) -> tuple[Schedule | SharedCall, str]:
+        """The schedule (or, for the shared-memory exchange, the SharedCall)
+        and the description (debug fingerprint, timeouts) of a reduction, its
+        algorithm checked or chosen by size."""
         name = self._check_algorithm(
-            algorithm, algorithms.ALLREDUCE_ALGORITHMS,
-            lambda: algorithms.choose_allreduce(buffer.nbytes, len(ranks)))
+            algorithm, REDUCE_ALGORITHMS, lambda: self._choose_reduce(buffer.nbytes, ranks))
+        if name == SHARED_MEMORY:
+            if self.size > 1:
+                self._check_shared(buffer.nbytes)
+                call = SharedCall(collective, ranks, buffer.count, buffer.dtype, op,
+                                  describe(collective, ranks, buffer.count, buffer.dtype, op,
+                                           extra))
+                return call, call.text
+            name = "recursive_doubling"  # one rank: nothing to exchange either way
         if name == "native" and not self._transport.supports_native(
                 "sum" if op == "avg" else op, buffer.dtype):
             raise UnsupportedError(
@@ -578,6 +631,65 @@ class Communicator:
         text = (f"{collective}(count={buffer.count},dtype={buffer.dtype.name},op={op}"
                 f"{extra},algorithm={name})")
         return sched, text
+
+    def _choose_reduce(self, nbytes: int, ranks: tuple[int, ...]) -> str:
+        """The default algorithm: the shared-memory exchange for a buffer that
+        fits its rows (every rank on one host; not in debug mode, whose
+        fingerprints are message stages), else by size (schedule/algorithms.py).
+        Decided from what is the same on every member."""
+        shared = self._shared
+        if (shared is not None and len(ranks) > 1 and not self._debug
+                and nbytes <= shared.segment.slot_bytes):
+            return SHARED_MEMORY
+        return algorithms.choose_allreduce(nbytes, len(ranks))
+
+    def _check_shared(self, nbytes: int) -> None:
+        """Why ``algorithm="shared_memory"`` cannot run here, as a typed error."""
+        from .transport.shm import unavailable_reason
+
+        shared = self._shared
+        if shared is None:
+            reason = unavailable_reason() or (
+                "the ranks are not all on one host, or one of them could not map the "
+                "segment")
+            raise UnsupportedError(
+                "algorithm", f"{SHARED_MEMORY!r} is unavailable on this communicator: {reason}")
+        if nbytes > shared.segment.slot_bytes:
+            raise UnsupportedError(
+                "algorithm", f"{SHARED_MEMORY!r} takes at most {shared.segment.slot_bytes} "
+                f"bytes per rank on this communicator, got {nbytes}")
+
+    def _submit_shared(self, call: SharedCall, data: np.ndarray, value: Any, timeout: float,
+                       async_op: bool, on_done: Callable[[], None] | None) -> Any:
+        """Post one shared-memory exchange (in order, under the submission
+        lock) and, blocking, finish it on this thread; non-blocking, its
+        handle finishes it (runtime/shared.py)."""
+        shared = self._shared
+        with self._lock:
+            if self._closed or self._engine.broken is not None:
+                self._check_open()
+            seq = self._seq
+            self._seq = seq + 1
+            collective = call.collective
+            self._calls[collective] = self._calls.get(collective, 0) + 1
+            deadline = time.monotonic() + timeout
+            pending = shared.post(seq, call, data, deadline, timeout)  # type: ignore[union-attr]
+            if async_op:
+                handle = Handle(collective, seq, deadline, self._engine.alive, pending.drive,
+                                pending.nudge)
+                pending.handle, pending.value, pending.on_done = handle, value, on_done
+                shared.track(pending)  # type: ignore[union-attr]
+                return handle
+        pending.complete(deadline)
+        if on_done is not None:
+            on_done()
+        return value
+
+    def _break(self, error: Any) -> None:
+        """A shared-memory exchange timed out or lost a member: as for the
+        engine's own collectives, the communicator is broken."""
+        engine = self._engine
+        engine.broken = engine.broken or error
 
     def _submit(self, collective: str, text: str, sched: Schedule, buffer: Buffer | np.ndarray,
                 timeout: float, async_op: bool, *, dtype: Any = None,
@@ -626,13 +738,15 @@ class Communicator:
         return (nbytes <= INLINE_MAX_BYTES and not (self._debug and self.size > 1)
                 and all(self._transport.has_group(r) for r in natives))
 
-    def _submit_small(self, fast: _FastCall, data: np.ndarray, value: Any,
+    def _submit_small(self, fast: _FastCall | SharedCall, data: np.ndarray, value: Any,
                       async_op: bool = False) -> Any:
         """:meth:`_submit` of a call ``fast`` says may run inline, with the
         communicator's default timeout: the same steps, minus what ``fast``
         settled when it was made (dtype, size, debug, native groups).
         Non-blocking, it is queued as a Work the engine runs straight through
         (Engine._start_here), without waking the progress thread."""
+        if type(fast) is SharedCall:
+            return self._submit_shared(fast, data, value, self._timeout, async_op, None)
         engine = self._engine
         with self._lock:
             if self._closed or engine.broken is not None:
@@ -750,6 +864,9 @@ class Communicator:
         deadline_s = self._call_timeout(timeout)
         known = (algorithms.ALLREDUCE_ALGORITHMS if kind == "allreduce"
                  else algorithms.BROADCAST_ALGORITHMS)
+        if algorithm == SHARED_MEMORY:
+            raise UnsupportedError("algorithm", f"{SHARED_MEMORY!r} reduces host memory; "
+                                   f"buf is on cuda:{device}")
         name = self._check_algorithm(algorithm, known, lambda: "native")
         if name != "native" or len(ranks) == self.size:
             partition = None  # point-to-point over the world communicator

@@ -7,6 +7,8 @@ collective until its timeout.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Iterator
 
@@ -32,6 +34,34 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def comm() -> Iterator[wagma_comm.Communicator]:
     c = wagma_comm.init(timeout=TEST_TIMEOUT_S)
     yield c
+    c.close()
+
+
+@contextlib.contextmanager
+def message_path() -> Iterator[None]:
+    """Communicators made inside have no shared-memory segment (as across
+    hosts, or with ``WAGMA_SHM=0``), so small reductions take the message
+    path (runtime/inline.py) by default. Every rank enters it alike."""
+    before = os.environ.get("WAGMA_SHM")
+    os.environ["WAGMA_SHM"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["WAGMA_SHM"]
+        else:
+            os.environ["WAGMA_SHM"] = before
+
+
+@pytest.fixture(scope="module")
+def message_comm() -> Iterator[wagma_comm.Communicator]:
+    """A communicator whose small reductions take the message path, for the
+    modules that test that path's inline and straight runs (they override
+    ``comm`` with it, autouse). Until the module ends every communicator made
+    has no shared-memory segment, their own too."""
+    with message_path():
+        c = wagma_comm.init(timeout=TEST_TIMEOUT_S)
+        yield c
     c.close()
 
 

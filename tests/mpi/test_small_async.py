@@ -22,6 +22,12 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def comm(message_comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
+    """The message path's runs are under test (shared memory: test_shared.py)."""
+    return message_comm
+
+
 def _total(dtype: type = np.float64) -> np.ndarray:
     return np.asarray(sum(r + 1 for r in range(SIZE)), dtype)
 

@@ -975,6 +975,43 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
     _average(d, flat, value, dtype)
 
 
+def rows_reducer(op: str, dtype: DType, parts: Sequence[np.ndarray],
+                 divisor: int = 1) -> Callable[[np.ndarray], None]:
+    """``fn(dst)``: ``dst = op`` over ``parts`` in their order (sum and avg as
+    :func:`average_into` with ``divisor``, one rounding at the end; prod, max
+    and min pairwise, starting from a copy of ``parts[0]``).
+
+    Why: ``parts`` fixed across calls (rows of a shared-memory segment,
+    runtime/shared.py) are checked and their addresses taken once; a call then
+    costs the kernel. ``dst``: C-contiguous, 1-D, ``dtype.storage``, the
+    parts' size, overlapping none of them."""
+    code = _OP_CODES.get(op) if op != "avg" else _OP_CODES["sum"]
+    if code is None:
+        raise InvalidArgumentError("op", f"unknown op {op!r}")
+    if len(parts) == 0:
+        raise InvalidArgumentError("parts", "expected at least one array")
+    flat = [_flat(p, dtype, f"parts[{i}]", parts[0].size) for i, p in enumerate(parts)]
+    if code == _OP_CODES["sum"]:
+        value = _check_divisor(divisor, dtype)
+        addrs = np.array([p.ctypes.data for p in flat], dtype=np.int64)
+        chunked = _chunks(flat[0].size, flat[0].itemsize) is not None
+        if chunked:  # large: split over the kernel threads
+            return lambda d: _average(d, flat, value, dtype)
+        if dtype.is_half:
+            average = _average_bf16 if _half_kind(dtype) == _BF16 else _average_f16
+        else:
+            average = _average_float if dtype.is_float else _average_int
+        return lambda d: average(d, addrs, value)
+    first, rest = flat[0], flat[1:]
+    kernel = reducer(op, dtype, first.size)
+
+    def pairwise(d: np.ndarray) -> None:
+        np.copyto(d, first)
+        for part in rest:
+            kernel(d, part)
+    return pairwise
+
+
 def to_float32(arr: np.ndarray, dtype: DType) -> np.ndarray:
     """Widen a float16/bfloat16 bit-pattern array (uint16) to a new float32 array."""
     if not dtype.is_half:

@@ -61,7 +61,7 @@ def timeout_error(work: Any, stage: Any, ops: Sequence[Any],
     )
 
 
-def _watchdog_seconds() -> float | None:
+def watchdog_seconds() -> float | None:
     raw = os.environ.get("WAGMA_WATCHDOG_S", "").strip()
     if not raw:
         return None
@@ -75,7 +75,7 @@ class Watch:
 
     def __init__(self, liveness: Liveness | None) -> None:
         self.liveness = liveness
-        self._watchdog_s = _watchdog_seconds()
+        self._watchdog_s = watchdog_seconds()
         self._next_liveness = 0.0
 
     def scan(self, runs: Sequence[Any]) -> list[tuple[Any, CollectiveError]]:

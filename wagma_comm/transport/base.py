@@ -17,6 +17,7 @@ import numpy as np
 from ..dtypes import DType
 from ..errors import TransportError
 from .doorbell import Doorbell
+from .shm import Segment
 
 # Channels keep traffic of different purposes apart (each maps to its own
 # duplicated communicator or tag space), so a debug fingerprint can never be
@@ -41,6 +42,9 @@ class Transport(ABC):
     # Wakes a peer's sleeping progress thread (transport/doorbell.py): only
     # where every rank can reach every other's; None: the engine polls.
     doorbell: Doorbell | None = None
+    # Every rank's rows and flags in one mapping (transport/shm.py): only
+    # where every rank is on this host; None: no shared-memory exchange.
+    shared_segment: Segment | None = None
 
     @property
     @abstractmethod

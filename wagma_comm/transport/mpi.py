@@ -20,7 +20,9 @@ from ..dtypes import DType
 from ..errors import CollectiveTimeoutError, TransportError
 from ..runtime.liveness import identity
 from .base import CHANNELS, MSG_BITS, Transport
+from . import shm
 from .doorbell import Doorbell, doorbell_key
+from .shm import Segment
 
 # Channel communicators closed while messages to them may be in flight (a
 # collective that failed or was never closed). Freeing one would let MPI give
@@ -84,11 +86,15 @@ class MPITransport(Transport):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         # (host, pid) of every rank, for the liveness check, and what decides
-        # whether doorbells reach everyone; init is collective already (the
-        # Dup calls above), so this cannot hang alone.
-        gathered = comm.allgather((identity(), doorbell_key(), secrets.token_hex(8)))
-        self.identities = [who for who, _, _ in gathered]
-        self.doorbell = self._make_doorbell(comm, gathered)
+        # whether doorbells and the shared-memory segment reach everyone;
+        # init is collective already (the Dup calls above), so these calls
+        # cannot hang alone. Rank 0 makes the segment first, so the others
+        # can map it as soon as the gather tells them its name.
+        nonce = secrets.token_hex(8)
+        segment = self._create_segment(nonce)
+        gathered = comm.allgather((identity(), doorbell_key(), nonce, segment is not None))
+        self.identities = [who for who, _, _, _ in gathered]
+        self.doorbell, self.shared_segment = self._agree_on_host_paths(comm, gathered, segment)
         tag_ub = user_comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
         # Group creation gets a communicator of its own: Create_group's tag
@@ -99,26 +105,52 @@ class MPITransport(Transport):
         self._everyone = tuple(range(self.size))
         self._bound: dict[str, tuple[Any, Any]] = {}  # channel -> (Isend, Irecv)
 
-    def _make_doorbell(self, comm: MPI.Comm,
-                       gathered: list[tuple[tuple[str, int], str | None, str]]) -> Doorbell | None:
-        """Doorbells when every rank shares this host and network namespace
-        (decided alike everywhere from what was gathered), all under rank 0's
-        nonce. If any rank cannot bind its bell, or was started with
-        ``WAGMA_DOORBELL=0`` (A/B measurements), nobody uses them."""
-        hosts = {(who[0], key) for who, key, _ in gathered}
-        if len(hosts) != 1 or gathered[0][1] is None:
+    def _create_segment(self, nonce: str) -> Segment | None:
+        """Rank 0's shared-memory segment (None elsewhere, or where it cannot
+        be made: any rank may still fail to map it, decided in
+        :meth:`_agree_on_host_paths`)."""
+        if self.rank != 0 or self.size < 2 or shm.unavailable_reason() is not None:
             return None
+        try:
+            return Segment.create(nonce, self.size)
+        except OSError:
+            return None
+
+    def _agree_on_host_paths(
+            self, comm: MPI.Comm, gathered: list[tuple[tuple[str, int], str | None, str, bool]],
+            segment: Segment | None) -> tuple[Doorbell | None, Segment | None]:
+        """Doorbells when every rank shares this host and network namespace,
+        and the shared-memory segment when every rank could map it (decided
+        alike everywhere: one reduction of what each rank managed), both
+        under rank 0's nonce. A rank that cannot bind its bell or map the
+        segment, or was started with ``WAGMA_DOORBELL=0`` / ``WAGMA_SHM=0``
+        (A/B measurements), makes nobody use it."""
+        one_host = len({who[0] for who, _, _, _ in gathered}) == 1
+        nonce = gathered[0][2]
         bell: Doorbell | None = None
-        if os.environ.get("WAGMA_DOORBELL", "1") != "0":
+        if (one_host and len({key for _, key, _, _ in gathered}) == 1
+                and gathered[0][1] is not None
+                and os.environ.get("WAGMA_DOORBELL", "1") != "0"):
             try:
-                bell = Doorbell(gathered[0][2], self.rank, self.size)
+                bell = Doorbell(nonce, self.rank, self.size)
             except OSError:
                 pass  # this rank has none, so nobody uses them
-        if comm.allreduce(bell is not None, op=MPI.LAND):
-            return bell
-        if bell is not None:
+        if (segment is None and one_host and gathered[0][3]
+                and shm.unavailable_reason() is None):
+            try:
+                segment = Segment.attach(nonce, self.size)
+            except OSError:
+                pass  # this rank cannot map it, so nobody uses it
+        agreed = comm.allreduce((bell is not None) | (segment is not None) << 1, op=MPI.BAND)
+        if self.rank == 0 and segment is not None:
+            segment.unlink()  # every rank has mapped it or given up
+        if not agreed & 1 and bell is not None:
             bell.close()
-        return None
+            bell = None
+        if not agreed & 2 and segment is not None:
+            segment.close()
+            segment = None
+        return bell, segment
 
     @property
     def seq_window(self) -> int:
@@ -308,6 +340,9 @@ class MPITransport(Transport):
         self._bound.clear()
         if self.doorbell is not None:
             self.doorbell.close()
+        if self.shared_segment is not None:
+            self.shared_segment.close()
+            self.shared_segment = None
         try:
             self._world_group.Free()
         except MPI.Exception:
