@@ -201,6 +201,13 @@ class Communicator:
         return self._timeout
 
     @property
+    def shared_memory_bytes(self) -> int:
+        """The largest buffer (bytes per rank) a reduction may take through
+        the shared-memory segment on this communicator; 0 where it has none
+        (ranks on several hosts, not x86-64, ``WAGMA_SHM=0``, one rank)."""
+        return 0 if self._shared is None else self._shared.segment.slot_bytes
+
+    @property
     def debug(self) -> bool:
         return self._debug
 
@@ -636,24 +643,22 @@ class Communicator:
         """The default algorithm: the shared-memory exchange for a buffer that
         fits its rows (every rank on one host; not in debug mode, whose
         fingerprints are message stages), else by size (schedule/algorithms.py).
-        Decided from what is the same on every member."""
+        Decided from what is the same on every rank of the communicator, not
+        only of the group: the exchange numbers its calls communicator-wide,
+        so a rank alone in its group takes part too (its exchange is a copy)."""
         shared = self._shared
-        if (shared is not None and len(ranks) > 1 and not self._debug
+        if (shared is not None and not self._debug
                 and nbytes <= shared.segment.slot_bytes):
             return SHARED_MEMORY
         return algorithms.choose_allreduce(nbytes, len(ranks))
 
     def _check_shared(self, nbytes: int) -> None:
         """Why ``algorithm="shared_memory"`` cannot run here, as a typed error."""
-        from .transport.shm import unavailable_reason
-
         shared = self._shared
         if shared is None:
-            reason = unavailable_reason() or (
-                "the ranks are not all on one host, or one of them could not map the "
-                "segment")
             raise UnsupportedError(
-                "algorithm", f"{SHARED_MEMORY!r} is unavailable on this communicator: {reason}")
+                "algorithm", f"{SHARED_MEMORY!r} is unavailable on this communicator: "
+                f"{self._transport.shared_unavailable}")
         if nbytes > shared.segment.slot_bytes:
             raise UnsupportedError(
                 "algorithm", f"{SHARED_MEMORY!r} takes at most {shared.segment.slot_bytes} "

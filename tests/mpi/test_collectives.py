@@ -70,10 +70,14 @@ def check(arr: np.ndarray, ranks: list[int], count: int, name: str, op: str, see
 
 @pytest.mark.parametrize("name", FLOATS + INTS)
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "prod"])
-def test_allreduce_every_dtype_and_op(comm: wagma_comm.Communicator, name: str, op: str) -> None:
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"])
+def test_allreduce_every_dtype_and_op(comm: wagma_comm.Communicator, name: str, op: str,
+                                      algorithm: str | None) -> None:
+    """The default (the shared-memory exchange where every rank is on this
+    host) and the message path."""
     count = 37
     arr = inputs(RANK, count, name, op, seed=1)
-    out = comm.allreduce(arr, op)
+    out = comm.allreduce(arr, op, algorithm=algorithm)
     assert out is arr
     check(arr, list(range(SIZE)), count, name, op, seed=1)
     assert_bitwise_identical(arr, list(range(SIZE)))

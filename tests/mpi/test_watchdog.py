@@ -17,8 +17,12 @@ WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 
 
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"])
 def test_watchdog_names_the_late_ranks_then_the_collective_completes(
-        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+        algorithm: str | None) -> None:
+    """Default (the shared-memory exchange where every rank is on this host)
+    and the message path, which the engine watches."""
     if SIZE == 1:
         pytest.skip("a late rank needs two ranks")
     monkeypatch.setenv("WAGMA_WATCHDOG_S", "1.0")  # read when the engine starts
@@ -29,7 +33,7 @@ def test_watchdog_names_the_late_ranks_then_the_collective_completes(
         with caplog.at_level(logging.WARNING, logger="wagma_comm"):
             if RANK != 0:
                 time.sleep(2.5)  # rank 0 waits; its watchdog fires after 1 s
-            c.allreduce(buf)
+            c.allreduce(buf, algorithm=algorithm)
         np.testing.assert_array_equal(buf, np.full(3, SIZE * (SIZE + 1) / 2, np.float32))
         if RANK == 0:
             lines = [r.getMessage() for r in caplog.records if r.name == "wagma_comm"]

@@ -685,3 +685,39 @@ def test_reduce_views_is_reduce_into_bit_for_bit(name: str, op: str, n: int,
     got = a.copy()
     H.reduce_views(got, b, op, dt)
     assert got.tobytes() == expected.tobytes()
+
+
+# ----------------------------------------------------------------- rows_reducer
+
+
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+@pytest.mark.parametrize("op", OPS + ["avg"])
+@pytest.mark.parametrize("n", [1, 7, 1023])
+def test_rows_reducer_is_reduce_into_and_average_into_in_part_order(
+        dt: D.DType, op: str, n: int, rng: np.random.Generator) -> None:
+    """The shared-memory exchange's reduction (fixed parts, made once) gives
+    the bits of the checked kernels: pairwise from a copy of the first part
+    for prod/max/min, average_into (one rounding) for sum and avg."""
+    parts = [sample(dt, n, rng) for _ in range(5)]
+    divisor = len(parts) if op == "avg" else 1
+    ref = np.empty_like(parts[0])
+    if op in ("sum", "avg"):
+        H.average_into(ref, parts, divisor, dt)
+    else:
+        np.copyto(ref, parts[0])
+        for p in parts[1:]:
+            H.reduce_into(ref, p, op, dt)
+    reduce = H.rows_reducer(op, dt, parts, divisor)
+    for _ in range(2):  # made once, run many times
+        got = np.zeros_like(parts[0])
+        reduce(got)
+        assert_bits(got, ref, dt)
+
+
+def test_rows_reducer_checks_its_parts_when_made() -> None:
+    with pytest.raises(InvalidArgumentError, match="op"):
+        H.rows_reducer("mean", D.FLOAT32, [np.zeros(2, np.float32)])
+    with pytest.raises(InvalidArgumentError, match="parts"):
+        H.rows_reducer("sum", D.FLOAT32, [])
+    with pytest.raises(BufferError, match="parts"):
+        H.rows_reducer("sum", D.FLOAT32, [np.zeros(2, np.float32), np.zeros(3, np.float32)])

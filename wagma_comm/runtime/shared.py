@@ -369,8 +369,12 @@ class Pending:
         self.complete(until, raise_error=False)
 
     def nudge(self, handle: Handle) -> None:
-        """Handle.test: finish if every row is there, without waiting."""
+        """Handle.test: finish if every row is there, without waiting; if not,
+        yield the core, as a failed poll does elsewhere (a loop of test()
+        calls would otherwise keep it from the peers it waits for)."""
         self.complete(0.0, raise_error=False)
+        if not self.finished:
+            os.sched_yield()
 
 
 def describe(collective: str, members: Sequence[int], count: int, dtype: DType, op: str,

@@ -45,6 +45,7 @@ class Transport(ABC):
     # Every rank's rows and flags in one mapping (transport/shm.py): only
     # where every rank is on this host; None: no shared-memory exchange.
     shared_segment: Segment | None = None
+    shared_unavailable = "this transport has no shared-memory segment"  # why, when None
 
     @property
     @abstractmethod

@@ -150,6 +150,12 @@ class MPITransport(Transport):
         if not agreed & 2 and segment is not None:
             segment.close()
             segment = None
+        if segment is None:
+            self.shared_unavailable = (
+                "a single rank has nothing to exchange" if self.size < 2
+                else shm.unavailable_reason()
+                or ("the ranks are on more than one host" if not one_host else
+                    "a rank could not map the segment, or was started with WAGMA_SHM=0"))
         return bell, segment
 
     @property

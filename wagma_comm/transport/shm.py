@@ -43,8 +43,11 @@ DEPTH = 4
 """Row sets: a rank may be this many calls ahead of a peer before it waits
 for the peer to have read its row (non-blocking calls in flight)."""
 
-SEGMENT_MAX_BYTES = 32 << 20
 CONTROL_BYTES = 256  # per rank and row set: four cache lines
+SEGMENT_MAX_BYTES = DEPTH * 64 * (CONTROL_BYTES + SLOT_BYTES)
+"""Full rows for up to 64 ranks on a host (16.8 MB); beyond, rows shrink so
+that a communicator's segment stays this size (/dev/shm is often small,
+64 MiB in a default Docker container)."""
 TEXT_OFFSET = 64  # the call's description, for a mismatch error, starts here
 TEXT_BYTES = CONTROL_BYTES - TEXT_OFFSET
 ARRIVE, DONE, PRINT = 0, 1, 2  # int64 words of a control block

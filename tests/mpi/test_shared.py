@@ -1,0 +1,218 @@
+"""The shared-memory exchange for small reductions (runtime/shared.py): the
+default where every rank is on this host and the buffer fits a row. Results,
+groups, many non-blocking calls in flight, progress without a wait, a
+mismatched call, a missing rank, close(cancel=True) and the typed errors of
+an explicit ``algorithm="shared_memory"``."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import wagma_comm
+from wagma_comm.transport.shm import DEPTH
+
+from conftest import message_path
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+SHARED = "shared_memory"
+
+
+@pytest.fixture
+def shared(comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
+    """``comm``, where it has the segment (every rank on one host, x86-64)."""
+    if SIZE == 1:
+        pytest.skip("one rank has nothing to exchange (no segment is made)")
+    if comm._shared is None:
+        pytest.skip("no shared-memory segment on this machine")
+    return comm
+
+
+def _posted(comm: wagma_comm.Communicator) -> int:
+    return int(comm.statistics()["shared_memory_calls"])
+
+
+def _same_on_every_rank(arr: np.ndarray) -> None:
+    blobs = WORLD.allgather(arr.tobytes())
+    assert all(b == blobs[0] for b in blobs), "ranks hold different bytes"
+
+
+def test_small_reductions_take_it_by_default_and_large_ones_do_not(
+        shared: wagma_comm.Communicator) -> None:
+    slot = shared.shared_memory_bytes
+    before = _posted(shared)
+    small = np.full(slot // 8, RANK + 1.0)  # exactly one row
+    shared.allreduce(small)
+    np.testing.assert_array_equal(small, np.full(slot // 8, SIZE * (SIZE + 1) / 2))
+    assert _posted(shared) == before + 1
+    large = np.full(slot // 8 + 1, RANK + 1.0)  # one element more: the message path
+    shared.allreduce(large)
+    np.testing.assert_array_equal(large, np.full(slot // 8 + 1, SIZE * (SIZE + 1) / 2))
+    assert _posted(shared) == before + 1
+    shared.allreduce(small, algorithm="recursive_doubling")  # asked for: messages
+    assert _posted(shared) == before + 1
+
+
+@pytest.mark.parametrize("tdt", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_tensors_are_reduced_alike_on_every_rank(
+        shared: wagma_comm.Communicator, tdt: torch.dtype) -> None:
+    values = np.arange(1, 11, dtype=np.float32) * (RANK + 1)
+    t = torch.from_numpy(values.copy()).to(tdt)
+    shared.allreduce(t, op="avg")
+    expected = np.arange(1, 11, dtype=np.float64) * (SIZE + 1) / 2
+    np.testing.assert_allclose(t.to(torch.float64).numpy(), expected, rtol=2**-7)
+    _same_on_every_rank(t.view(torch.uint8).numpy() if tdt != torch.float32 else t.numpy())
+
+
+def test_integer_avg_is_the_floor_of_the_exact_mean(shared: wagma_comm.Communicator) -> None:
+    """Accumulated in int64 before the division: uint8 values whose sum passes
+    255 still average exactly (the message path wraps its partial sums)."""
+    x = np.full(4, 200 + RANK % 2, np.uint8)
+    shared.allreduce(x, op="avg")
+    total = sum(200 + r % 2 for r in range(SIZE))
+    np.testing.assert_array_equal(x, np.full(4, total // SIZE, np.uint8))
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+def test_group_allreduce_over_shifting_groups(shared: wagma_comm.Communicator,
+                                              group_size: int) -> None:
+    if group_size > SIZE:
+        pytest.skip("group larger than the communicator")
+    before = _posted(shared)
+    for step in range(4):
+        x = np.full(6, float(RANK * RANK + step))
+        shared.group_allreduce(x, group_size, step)
+        members = shared.group_of(group_size, step)
+        expected = np.mean([r * r + step for r in members])
+        np.testing.assert_allclose(x, np.full(6, expected), rtol=1e-15)
+    assert _posted(shared) == before + 4
+
+
+def test_many_nonblocking_calls_in_flight_finish_in_any_wait_order(
+        shared: wagma_comm.Communicator) -> None:
+    """More calls than row sets in flight: posting one past DEPTH finishes
+    this rank's earlier call on that set first; the handles are then waited
+    for in an order of this rank's own."""
+    n = 3 * DEPTH + 1
+    bufs = [np.full(5, float(RANK + 1) * (i + 1)) for i in range(n)]
+    handles = [shared.allreduce(b, async_op=True) for b in bufs]
+    order = list(range(n))
+    random.Random(RANK).shuffle(order)
+    for i in order:
+        assert handles[i].wait() is bufs[i]
+    for i, b in enumerate(bufs):
+        np.testing.assert_array_equal(b, np.full(5, SIZE * (SIZE + 1) / 2 * (i + 1)))
+
+
+def test_a_nonblocking_call_finishes_without_any_call_into_the_library(
+        shared: wagma_comm.Communicator) -> None:
+    """The exchange is an engine service while non-blocking calls are in
+    flight: the progress thread finishes them."""
+    x = np.full(3, RANK + 1.0)
+    handle = shared.allreduce(x, async_op=True)
+    deadline = time.monotonic() + 10.0
+    while not handle.done and time.monotonic() < deadline:
+        time.sleep(0.05)  # no test(), no wait()
+    assert handle.done
+    assert handle.wait() is x
+    np.testing.assert_array_equal(x, np.full(3, SIZE * (SIZE + 1) / 2))
+
+
+def test_a_call_that_differs_between_ranks_is_a_mismatch_naming_them(
+        shared: wagma_comm.Communicator) -> None:
+    count = 3 if RANK == 0 else 2  # rank 0 calls another size
+    with pytest.raises(wagma_comm.MismatchError) as info:
+        shared.allreduce(np.ones(count, np.float32), algorithm=SHARED)
+    expected = list(range(1, SIZE)) if RANK == 0 else [0]
+    assert list(info.value.ranks) == expected
+    assert "count=3" in str(info.value) and "count=2" in str(info.value)
+    x = np.full(2, RANK + 1.0)
+    shared.allreduce(x)  # the communicator is still usable
+    np.testing.assert_array_equal(x, np.full(2, SIZE * (SIZE + 1) / 2))
+
+
+def test_nan_with_max_raises_on_every_rank_after_the_exchange(
+        shared: wagma_comm.Communicator) -> None:
+    x = np.array([1.0, np.nan if RANK == 0 else 2.0])
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        shared.allreduce(x, op="max")
+    assert info.value.argument == "buf"
+    assert np.isnan(x[1]) and x[0] == 1.0
+
+
+@contextlib.contextmanager
+def _own_communicator(timeout: float, why: str) -> Iterator[wagma_comm.Communicator]:
+    """A communicator of the test's own (it will be broken or closed early),
+    closed on every rank after a barrier; skipped where it has no segment."""
+    if SIZE == 1:
+        pytest.skip(why)
+    c = wagma_comm.init(timeout=timeout)
+    try:
+        if c._shared is None:
+            pytest.skip("no shared-memory segment on this machine")
+        yield c
+    finally:
+        WORLD.Barrier()
+        c.close()
+
+
+def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
+    with _own_communicator(30, "a missing rank needs two ranks") as c:
+        late = SIZE - 1
+        if RANK != late:
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.allreduce(np.ones(2), timeout=1.0)
+            assert time.monotonic() - start < 10.0
+            assert list(info.value.ranks) == [late]
+            assert info.value.collective == "allreduce" and info.value.round == 0
+            assert "shared-memory exchange" in str(info.value)
+            with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+                c.allreduce(np.ones(2))  # a timeout breaks it, as for messages
+
+
+def test_close_cancel_fails_an_exchange_nobody_joins() -> None:
+    with _own_communicator(60, "a call nobody joins needs two ranks") as c:
+        if RANK == 0:
+            handle = c.allreduce(np.ones(8), async_op=True)
+            time.sleep(0.05)
+            assert not handle.done
+            start = time.monotonic()
+            c.close(cancel=True)
+            assert time.monotonic() - start < 5.0  # not the 60 s deadline
+            with pytest.raises(wagma_comm.CommunicatorClosedError, match="in flight"):
+                handle.wait()
+
+
+def test_explicit_algorithm_errors_are_local_and_typed(
+        comm: wagma_comm.Communicator) -> None:
+    if comm.shared_memory_bytes:
+        slot = comm.shared_memory_bytes
+        with pytest.raises(wagma_comm.UnsupportedError, match="at most") as info:
+            comm.allreduce(np.ones(slot // 4 + 1, np.float32), algorithm=SHARED)
+        assert info.value.argument == "algorithm"
+    if SIZE > 1:
+        with message_path():
+            c = wagma_comm.init(timeout=30)
+        try:
+            assert c.shared_memory_bytes == 0
+            with pytest.raises(wagma_comm.UnsupportedError, match="WAGMA_SHM=0") as info:
+                c.allreduce(np.ones(2), algorithm=SHARED)
+            assert info.value.argument == "algorithm"
+            x = np.full(2, RANK + 1.0)
+            c.allreduce(x)  # the default there: the message path
+            np.testing.assert_array_equal(x, np.full(2, SIZE * (SIZE + 1) / 2))
+        finally:
+            c.close()
+    else:  # one rank: nothing to exchange, so it is the trivial reduction
+        x = np.arange(4.0)
+        assert comm.allreduce(x, algorithm=SHARED) is x
+        np.testing.assert_array_equal(x, np.arange(4.0))
