@@ -126,6 +126,22 @@ def test_a_nonblocking_call_finishes_without_any_call_into_the_library(
     np.testing.assert_array_equal(x, np.full(3, SIZE * (SIZE + 1) / 2))
 
 
+def test_the_exchange_leaves_the_engine_once_its_calls_are_done(
+        shared: wagma_comm.Communicator) -> None:
+    """A service in the engine keeps its thread turning: the exchange is one
+    only while non-blocking calls are unfinished, also when their waiters
+    finished them."""
+    handles = [shared.allreduce(np.ones(2), async_op=True) for _ in range(3)]
+    for h in handles:
+        h.wait()
+    engine = shared._engine
+    deadline = time.monotonic() + 10.0
+    while shared._shared in engine._services and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert shared._shared not in engine._services
+    assert not shared._shared.busy()  # type: ignore[union-attr]
+
+
 def test_a_call_that_differs_between_ranks_is_a_mismatch_naming_them(
         shared: wagma_comm.Communicator) -> None:
     count = 3 if RANK == 0 else 2  # rank 0 calls another size

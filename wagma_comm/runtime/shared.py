@@ -136,10 +136,14 @@ class SharedExchange:
         if previous is not None:
             if not previous.finished:
                 previous.complete(previous.deadline, raise_error=False)
-            self.wait(previous.plan.done, previous.call.members, previous.k + 1, deadline,
-                      call.collective, seq,
-                      f"they had not yet read this rank's part of round {previous.seq} "
-                      "(shared-memory exchange)")
+            try:
+                self.wait(previous.plan.done, previous.call.members, previous.k + 1, deadline,
+                          call.collective, seq,
+                          f"they had not yet read this rank's part of round {previous.seq} "
+                          "(shared-memory exchange)")
+            except (CollectiveTimeoutError, RankFailedError) as exc:
+                self._on_failure(exc)  # this call never arrives: the others' time out too
+                raise
         np.copyto(plan.row, data)
         words = self._words
         if self._texts[row_set] is not call.encoded:
@@ -170,9 +174,12 @@ class SharedExchange:
         """Finish every tracked call whose rows all arrived; leave the engine
         once none is left (an idle service would keep its thread turning)."""
         progressed = False
-        for pending in list(self._async):
+        tracked = self._async
+        for pending in tracked:
             progressed |= pending.try_complete()
-        if progressed or not self._async:
+        # Calls a waiter finished are dropped here too: a finished call left
+        # in the list would keep the service busy, and the thread spinning.
+        if not tracked or any(p.finished for p in tracked):
             with self._async_lock:
                 self._async = [p for p in self._async if not p.finished]
                 if not self._async:
@@ -181,7 +188,7 @@ class SharedExchange:
         return progressed
 
     def busy(self) -> bool:
-        return bool(self._async)
+        return any(not p.finished for p in self._async)
 
     def fail(self, error: WagmaError) -> None:
         """The engine broke or closed: the tracked calls finish on their
