@@ -188,7 +188,9 @@ class SharedExchange:
         return progressed
 
     def busy(self) -> bool:
-        return any(not p.finished for p in self._async)
+        """Unfinished calls nobody is finishing: one a waiter is finishing
+        (its lock held) needs no spinning progress thread beside it."""
+        return any(not p.finished and not p._lock.locked() for p in self._async)
 
     def fail(self, error: WagmaError) -> None:
         """The engine broke or closed: the tracked calls finish on their
