@@ -160,8 +160,7 @@ class Communicator:
         segment = transport.shared_segment
         # Small reductions through shared memory (runtime/shared.py): only
         # where the transport mapped a segment on every rank.
-        self._shared = (SharedExchange(segment, transport.rank, liveness, self._break,
-                                       self._engine)
+        self._shared = (SharedExchange(segment, transport.rank, self._break, self._engine)
                         if segment is not None else None)
         self._monitor = (Monitor(liveness, self._engine.in_flight)
                          if liveness is not None and liveness.checkable else None)

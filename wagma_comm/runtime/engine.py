@@ -240,6 +240,12 @@ class Engine:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def watch(self) -> Watch:
+        """Deadlines, the watchdog and dead peers: also what the shared-memory
+        exchange (runtime/shared.py) checks its own waits with."""
+        return self._watch
+
     # -- application side -----------------------------------------------------
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -24,7 +24,6 @@ deadline with an error naming the ranks still missing.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -38,10 +37,6 @@ from ..errors import CollectiveTimeoutError, MismatchError, RankFailedError, Wag
 from ..kernels import host as host_kernels
 from ..transport.shm import ARRIVE, DEPTH, DONE, PRINT, TEXT_BYTES, TEXT_OFFSET, Segment
 from .handle import Handle
-from .liveness import Liveness
-from .watch import WATCHDOG_FRACTION, watchdog_seconds
-
-log = logging.getLogger("wagma_comm")
 
 ALGORITHM = "shared_memory"
 
@@ -94,12 +89,11 @@ class _Plan:
 class SharedExchange:
     """This rank's side of the protocol over one segment (per communicator)."""
 
-    def __init__(self, segment: Segment, rank: int, liveness: Liveness | None,
-                 on_failure: Callable[[WagmaError], None], engine: Any) -> None:
+    def __init__(self, segment: Segment, rank: int, on_failure: Callable[[WagmaError], None],
+                 engine: Any) -> None:
         self.segment, self.rank, self.size = segment, rank, segment.size
-        self._liveness = liveness
         self._engine = engine  # runtime.engine.Engine: progress for non-blocking calls
-        self._watchdog_s = watchdog_seconds()
+        self._watch = engine.watch  # the watchdog threshold and line, dead peers
         self._async: list[Pending] = []  # non-blocking calls not finished
         self._async_lock = threading.Lock()
         self._serviced = False  # registered with the engine as a service
@@ -241,40 +235,42 @@ class SharedExchange:
                     if now > deadline or (until is not None and now > until):
                         if now <= deadline:
                             return False
-                        missing = [ranks[m] for m in range(n, len(indices))
-                                   if words[indices[m]] < want]
-                        raise CollectiveTimeoutError(collective, seq, missing,
-                                                     f"{what}; deadline passed")
+                        raise CollectiveTimeoutError(
+                            collective, seq, self._missing(indices, ranks, want, n),
+                            f"{what}; deadline passed")
                     if now - started >= _SPIN_S:
                         if now - looked > _LIVENESS_EVERY_S:
                             looked = now
-                            if watched is not None and not watched.warned:
-                                self._watchdog(watched, now, [
-                                    ranks[m] for m in range(n, len(indices))
-                                    if words[indices[m]] < want])
-                        if self._liveness is not None and looked == now:
-                            dead = self._liveness.dead(ranks[n:])
-                            if dead:
-                                raise RankFailedError(collective, seq, dead,
-                                                      f"{what}; a member's process is gone")
+                            self._look_around(indices, ranks, want, n, collective, seq, what,
+                                              watched, now)
                         nap = min(_NAP_MAX_S, nap * 2 or 2e-5)
                         time.sleep(nap)
                         continue
                 os.sched_yield()
         return True
 
-    def _watchdog(self, pending: "Pending", now: float, missing: list[int]) -> None:
-        """One log line for a call in flight past the watchdog threshold, as
-        the engine logs its own (runtime/watch.py)."""
-        opened = pending.deadline - pending.timeout
-        limit = (self._watchdog_s if self._watchdog_s is not None
-                 else pending.timeout * WATCHDOG_FRACTION)
-        if now - opened > limit:
-            pending.warned = True
-            log.warning("%s (round %d) in flight for %.1f s (timeout %g s) in its "
-                        "shared-memory exchange; ranks not yet seen: %s",
-                        pending.call.collective, pending.seq, now - opened, pending.timeout,
-                        missing)
+    def _missing(self, indices: Sequence[int], ranks: Sequence[int], want: int,
+                 first: int) -> list[int]:
+        """The ranks whose word has not reached ``want`` (from ``first`` on:
+        the ones before it were seen)."""
+        words = self._words
+        return [ranks[m] for m in range(first, len(indices)) if words[indices[m]] < want]
+
+    def _look_around(self, indices: Sequence[int], ranks: Sequence[int], want: int, first: int,
+                     collective: str, seq: int, what: str, watched: "Pending | None",
+                     now: float) -> None:
+        """A long wait's periodic look, as the engine's own runs get
+        (runtime/watch.py): the watchdog line once, and dead members."""
+        watch = self._watch
+        missing = self._missing(indices, ranks, want, first)
+        if (watched is not None and not watched.warned
+                and watch.overdue(watched.deadline, watched.timeout, now)):
+            watched.warned = True
+            watch.warn(collective, seq, watched.deadline, watched.timeout, now,
+                       "shared-memory exchange", missing)
+        rank_failed = watch.dead_among(missing)
+        if rank_failed is not None:
+            raise rank_failed(collective, seq)
 
 
 class Pending:
@@ -298,10 +294,13 @@ class Pending:
         self.on_done: Callable[[], None] | None = None
         self._lock = threading.Lock()  # one completer: a waiter, a later post, close
 
-    def complete(self, until: float, raise_error: bool = True) -> bool:
+    def complete(self, until: float, raise_error: bool = True, wait_turn: bool = True) -> bool:
         """Wait for every member's row until ``until``; reduce them into the
-        buffer. True once finished; raises its error (``raise_error``)."""
-        with self._lock:
+        buffer. True once finished; raises its error (``raise_error``).
+        ``wait_turn=False``: False at once if another thread is finishing it."""
+        if not self._lock.acquire(wait_turn):
+            return False
+        try:
             if not self.finished:
                 try:
                     if not self._arrived(until):
@@ -314,19 +313,16 @@ class Pending:
                     if isinstance(exc, (CollectiveTimeoutError, RankFailedError)):
                         self.exchange._on_failure(exc)  # a member is gone or stuck
                 self._finish()
+        finally:
+            self._lock.release()
         if self.error is not None and raise_error:
             raise self.error
         return True
 
     def try_complete(self) -> bool:
-        """The progress thread's poll: finish if every row is there, unless
-        another thread is finishing it (never wait for that thread). True if
-        this call finished it."""
-        if self.finished or not self._lock.acquire(False):
-            return False
-        self._lock.release()  # complete() takes it again (rarely contended)
-        self.complete(0.0, raise_error=False)
-        return self.finished
+        """The progress thread's poll: finish if every row is there, never
+        waiting for another thread finishing it. True if this call did."""
+        return not self.finished and self.complete(0.0, raise_error=False, wait_turn=False)
 
     def fail(self, error: WagmaError) -> bool:
         """Fail it with ``error`` unless it finished; True if this failed it."""

@@ -61,7 +61,7 @@ def timeout_error(work: Any, stage: Any, ops: Sequence[Any],
     )
 
 
-def watchdog_seconds() -> float | None:
+def _watchdog_seconds() -> float | None:
     raw = os.environ.get("WAGMA_WATCHDOG_S", "").strip()
     if not raw:
         return None
@@ -75,7 +75,7 @@ class Watch:
 
     def __init__(self, liveness: Liveness | None) -> None:
         self.liveness = liveness
-        self._watchdog_s = watchdog_seconds()
+        self._watchdog_s = _watchdog_seconds()
         self._next_liveness = 0.0
 
     def scan(self, runs: Sequence[Any]) -> list[tuple[Any, CollectiveError]]:
@@ -94,18 +94,26 @@ class Watch:
                 continue  # nobody waits for it yet: no deadline (Work.patient)
             if now > work.deadline:
                 failed.append((run, timeout_error(work, run.stage, run.ops, run.posted)))
-            elif not run.warned:
-                limit = (self._watchdog_s if self._watchdog_s is not None
-                         else work.timeout * WATCHDOG_FRACTION)
-                started = work.deadline - work.timeout
-                if now - started > limit:
-                    run.warned = True
-                    waiting = waiting_ranks(run.stage.schedule.rank, run.ops, run.posted)
-                    log.warning(
-                        "%s (round %d) in flight for %.1f s (timeout %g s) in its %s; "
-                        "ranks not yet seen: %s", work.collective, work.seq, now - started,
-                        work.timeout, _phase(run.stage), waiting)
+            elif not run.warned and self.overdue(work.deadline, work.timeout, now):
+                run.warned = True
+                self.warn(work.collective, work.seq, work.deadline, work.timeout, now,
+                          _phase(run.stage),
+                          waiting_ranks(run.stage.schedule.rank, run.ops, run.posted))
         return failed
+
+    def overdue(self, deadline: float, timeout: float, now: float) -> bool:
+        """Whether a collective with this ``deadline`` and ``timeout`` has
+        been in flight past the watchdog threshold at ``now``."""
+        limit = self._watchdog_s if self._watchdog_s is not None else timeout * WATCHDOG_FRACTION
+        return now - (deadline - timeout) > limit
+
+    @staticmethod
+    def warn(collective: str, seq: int, deadline: float, timeout: float, now: float,
+             phase: str, waiting: Sequence[int]) -> None:
+        """The watchdog's one log line for a collective (once per collective)."""
+        log.warning("%s (round %d) in flight for %.1f s (timeout %g s) in its %s; "
+                    "ranks not yet seen: %s", collective, seq, now - (deadline - timeout),
+                    timeout, phase, list(waiting))
 
     def dead_peers(self, runs: Sequence[Any],
                    settle: bool = False) -> list[tuple[Any, CollectiveError]]:
