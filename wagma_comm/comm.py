@@ -338,11 +338,11 @@ class Communicator:
         every rank creates it, in the same order as other collectives. ``buf``
         is the initial model (shape/dtype of every later step). See
         docs/partial.md."""
-        from .partial.wagma import WaitAvoidingGroupAllreduce
+        from .partial import shared_wagma
 
-        return self._create(WaitAvoidingGroupAllreduce(
-            self, buf, group_size, sync_every, activation=activation,
-            normalization=normalization, timeout=timeout, algorithm=algorithm))
+        return shared_wagma.create(self, buf, group_size, sync_every, activation=activation,
+                                   normalization=normalization, timeout=timeout,
+                                   algorithm=algorithm)
 
     def solo_allreduce(self, buf: Any, sync_every: int, *, op: str = "avg",
                        timeout: float | None = None, algorithm: str | None = None) -> Any:

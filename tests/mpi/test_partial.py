@@ -25,6 +25,14 @@ SLOW = SIZE - 1
 SCOPES = ["global", "group"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def comm(message_comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
+    """The message path's partial collectives are under test: progress
+    threads, tokens, activation. WAGMA through shared memory, which a
+    communicator on one host takes by default: test_shared_wagma.py."""
+    return message_comm
+
+
 def _gather(value: Any) -> list[Any]:
     return WORLD.allgather(value)
 

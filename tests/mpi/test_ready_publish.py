@@ -15,12 +15,20 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+import wagma_comm
 from wagma_comm import Communicator, InvalidArgumentError
 from wagma_comm.train import Averager
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 SLOW = SIZE - 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def comm(message_comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
+    """Ready starts are the message path's (through shared memory a ready
+    publish is an ordinary one: test_shared_wagma.py)."""
+    return message_comm
 
 
 def _wait_round(w: object, round_: int, what: str = "completed",

@@ -73,6 +73,17 @@ def check_sync_every(sync_every: Any) -> int:
     return sync_every
 
 
+def check_step_buffer(kind: str, count: int, dtype: Any, buf: Any) -> tuple[np.ndarray, Any]:
+    """``buf`` as a host array (and its owner) if it has the element count
+    and dtype the collective was created with; InvalidArgumentError if not."""
+    buffer = as_buffer(buf, "buf")
+    if buffer.count != count or buffer.dtype is not dtype:
+        raise InvalidArgumentError(
+            "buf", f"{kind} was created for {count} x {dtype.name}, "
+            f"got {buffer.count} x {buffer.dtype.name}")
+    return buffer.host_array(), buffer.owner
+
+
 class _Call:
     """One application call (step, flush or close) waiting for its round."""
 
@@ -266,12 +277,7 @@ class PartialCollective:
 
     # -- application-side helpers ----------------------------------------------------
     def _check_buf(self, buf: Any) -> tuple[np.ndarray, Any]:
-        buffer = as_buffer(buf, "buf")
-        if buffer.count != self.count or buffer.dtype is not self.dtype:
-            raise InvalidArgumentError(
-                "buf", f"{self.kind} was created for {self.count} x {self.dtype.name}, "
-                f"got {buffer.count} x {buffer.dtype.name}")
-        return buffer.host_array(), buffer.owner
+        return check_step_buffer(self.kind, self.count, self.dtype, buf)
 
     def _check_promise(self, what: str) -> None:
         """A ready publish started a round that only this rank's step can be

@@ -36,6 +36,17 @@ ACTIVATION_SCOPES = ("global", "group")
 NORMALIZATIONS = ("wagma", "mean")
 
 
+def check_options(size: int, group_size: Any, activation: Any, normalization: Any) -> None:
+    """The arguments both paths share, checked before any communication."""
+    groups_mod.check_group_size(size, group_size)
+    if activation not in ACTIVATION_SCOPES:
+        raise InvalidArgumentError(
+            "activation", f"expected one of {list(ACTIVATION_SCOPES)}, got {activation!r}")
+    if normalization not in NORMALIZATIONS:
+        raise InvalidArgumentError(
+            "normalization", f"expected one of {list(NORMALIZATIONS)}, got {normalization!r}")
+
+
 class WaitAvoidingGroupAllreduce(PartialCollective):
     """Created by :meth:`Communicator.wait_avoiding_group_allreduce`."""
 
@@ -43,16 +54,13 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     def __init__(self, comm: Any, buf: Any, group_size: int, sync_every: int, *,
                  activation: str = "global", normalization: str = "wagma",
-                 timeout: float | None = None, algorithm: str | None = None) -> None:
-        groups_mod.check_group_size(comm.size, group_size)
-        if activation not in ACTIVATION_SCOPES:
-            raise InvalidArgumentError(
-                "activation", f"expected one of {list(ACTIVATION_SCOPES)}, got {activation!r}")
-        if normalization not in NORMALIZATIONS:
-            raise InvalidArgumentError(
-                "normalization", f"expected one of {list(NORMALIZATIONS)}, "
-                f"got {normalization!r}")
+                 timeout: float | None = None, algorithm: str | None = None,
+                 offset: int = 0) -> None:
+        check_options(comm.size, group_size, activation, normalization)
         super().__init__(comm, buf, sync_every, timeout, algorithm)
+        # Round r uses iteration offset + r's groups: a run resumed at
+        # iteration offset averages with the partners of the uninterrupted one.
+        self.offset = offset
         self.group_size = group_size
         self.activation = activation
         self.normalization = normalization
@@ -91,7 +99,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
-        step = group_step(r, self.sync_every)
+        step = group_step(r + self.offset, self.sync_every)
         return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
 
     def _token_scope(self, r: int) -> tuple[int, ...]:

@@ -77,6 +77,21 @@ def segment_path(nonce: str) -> str:
     return f"{_DIR}/wagma-{nonce}"
 
 
+def create_file(path: str, total: int) -> int:
+    """Make a zeroed shared-memory file of ``total`` bytes, its pages reserved
+    (a sparse file would fail later, as SIGBUS on the first store to a page
+    /dev/shm has no room for). Returns an open descriptor; raises OSError
+    (no space, name taken) leaving no file behind."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
 class Segment:
     """One mapping of the segment. :meth:`create` (rank 0) or :meth:`attach`."""
 
@@ -102,16 +117,7 @@ class Segment:
         OSError where it cannot (no space in /dev/shm, a name taken)."""
         path = segment_path(nonce)
         slot = slot_bytes_for(size)
-        total = DEPTH * size * (CONTROL_BYTES + slot)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # Reserve the pages now: a sparse file would fail later, as SIGBUS
-            # on the first store to a page /dev/shm has no room for.
-            os.posix_fallocate(fd, 0, total)
-        except OSError:
-            os.close(fd)
-            os.unlink(path)
-            raise
+        fd = create_file(path, DEPTH * size * (CONTROL_BYTES + slot))
         return cls(path, size, slot, fd)
 
     @classmethod
@@ -139,5 +145,5 @@ class Segment:
                 pass  # a view is still exported: the mapping goes with it
 
 
-__all__ = ["Segment", "unavailable_reason", "slot_bytes_for", "SLOT_BYTES", "DEPTH",
+__all__ = ["Segment", "create_file", "unavailable_reason", "slot_bytes_for", "SLOT_BYTES", "DEPTH",
            "ARRIVE", "DONE", "PRINT", "TEXT_OFFSET", "TEXT_BYTES"]

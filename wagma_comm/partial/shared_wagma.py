@@ -1,0 +1,479 @@
+"""WAGMA's wait-avoiding group allreduce through shared memory (one host).
+
+Why: through messages, a group round needs every member's progress thread,
+even that of a member whose application is still computing. On a host whose
+ranks outnumber its cores those threads' turns were most of what a WAGMA
+iteration cost beyond local SGD (docs/training.md, "Why the second target is
+missed"). On one host nobody needs to run anything for a peer: the first
+member to arrive at a round computes it from the models its peers last
+published on the board (transport/shm_board.py) and leaves the sum in every
+member's result block; members that arrive later take it from there.
+
+Semantics (docs/partial.md, "Through shared memory"), as on the message path
+unless said:
+
+* ``publish`` and ``step`` copy the model into this rank's published slot;
+  a round counts a member fresh when its slot holds the model of that round.
+* The first member to arrive at round ``t`` (under every member's lock, so
+  exactly one does) sums the group's published models in member order and
+  writes the sum, the freshness flags and its own rank (the activator) into
+  every member's result block whose newest round is older than ``t``.
+* A member whose result block already holds round ``t`` or later is late: it
+  gets that newest round at once (staleness ``newest - t + 1``), as the
+  message path's late caller gets the most recent completed round.
+* Nobody ever waits for a peer in a group round: the locks are held for the
+  copy and the sum only. Sync rounds, ``flush`` and ``close`` are the
+  communicator's blocking allreduces (shared memory or messages by size).
+* No progress thread, no tokens: ``activation`` makes no difference, and a
+  ready publish is an ordinary publish (a round uses whatever is published
+  when its first member arrives, which is what a ready start achieves).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import groups as groups_mod
+from ..buffers import as_buffer
+from ..errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    MismatchError,
+    RankFailedError,
+    UnsupportedError,
+    WagmaError,
+)
+from ..kernels import host as host_kernels
+from ..runtime.activation import group_step, is_sync_round
+from ..runtime.handle import Handle
+from ..schedule import algorithms
+from ..transport import shm_lock
+from ..transport.shm_board import ACTIVATOR, HOLDER, PUBLISHED, RESULT, Board
+from .base import check_step_buffer, check_sync_every
+from .info import RoundInfo, Telemetry
+from .wagma import WaitAvoidingGroupAllreduce, check_options
+
+SHARED_MEMORY = "shared_memory"
+MODEL_MAX_BYTES = 16 << 20
+"""Largest model (bytes per rank) on the board. The member that computes a
+round holds its group's locks while it sums their models, so a peer that
+publishes meanwhile waits that long; bigger models take the message path."""
+
+
+class _Continued:
+    """A Handle-like result of a step whose collective runs elsewhere (a sync
+    round's allreduce): ``then`` turns its outcome into the step's RoundInfo,
+    once, on the thread that first sees it finished."""
+
+    def __init__(self, inner: Any, then: Callable[[BaseException | None], RoundInfo]) -> None:
+        self.collective, self.round = inner.collective, inner.round
+        self._inner, self._then = inner, then
+        self._outcome: tuple[RoundInfo | None, BaseException | None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._inner.done
+
+    @property
+    def elapsed(self) -> float | None:
+        return self._inner.elapsed
+
+    def _settle(self, error: BaseException | None) -> RoundInfo:
+        if self._outcome is None:
+            try:
+                self._outcome = (self._then(error), None)
+            except BaseException as exc:  # the step's own error, raised to every caller
+                self._outcome = (None, exc)
+        info, exc = self._outcome
+        if exc is not None:
+            raise exc
+        assert info is not None
+        return info
+
+    def test(self) -> bool:
+        try:
+            if not self._inner.test():
+                return False
+        except WagmaError as exc:
+            self._settle(exc)
+        self._settle(None)
+        return True
+
+    def wait(self, timeout: float | None = None) -> RoundInfo:
+        try:
+            self._inner.wait(timeout)
+        except CollectiveError as exc:
+            return self._settle(exc)
+        return self._settle(None)
+
+
+class SharedWaitAvoidingGroupAllreduce:
+    """Made by :meth:`Communicator.wait_avoiding_group_allreduce` when every
+    rank is on one host (see :func:`create`); the same interface as
+    :class:`~wagma_comm.partial.wagma.WaitAvoidingGroupAllreduce`."""
+
+    kind = "wait_avoiding_group_allreduce"
+    path = SHARED_MEMORY
+
+    def __init__(self, comm: Any, buf: Any, board: Board, ident: int, group_size: int,
+                 sync_every: int, *, activation: str, normalization: str,
+                 timeout: float, offset: int = 0) -> None:
+        buffer = as_buffer(buf, "buf")
+        self._comm, self._board, self._id = comm, board, ident
+        self.rank, self.size = comm.rank, comm.size
+        self.count, self.dtype = buffer.count, buffer.dtype
+        self.group_size, self.sync_every, self.offset = group_size, sync_every, offset
+        self.activation, self.normalization, self.timeout = activation, normalization, timeout
+        storage = self.dtype.storage
+        self._published = [b.view(storage) for b in board.published]
+        self._results = [b.view(storage) for b in board.result]
+        self._reducers: dict[tuple[int, ...], Callable[[np.ndarray], None]] = {}
+        self._everyone = tuple(range(self.size))
+        nbytes = self.count * self.dtype.itemsize
+        # Sync rounds must give every rank the same bits: never native.
+        self._sync_algorithm = (SHARED_MEMORY if nbytes <= comm.shared_memory_bytes
+                                else algorithms.choose_allreduce(nbytes, self.size))
+        self.telemetry = Telemetry(self.size)
+        self._app_round = 0
+        self._completed = -1
+        self._pending: dict[int, Any] = {}  # none: read by the communicator's exit report
+        self._error: WagmaError | None = None
+        self._closed = False
+
+    def _open(self) -> None:
+        """(Communicator._create) The board was agreed on in :func:`create`."""
+
+    # -- application side ---------------------------------------------------------
+    def publish(self, buf: Any, *, ready: bool = False) -> None:
+        """Make ``buf`` (copied now) this rank's contribution to its next
+        round without arriving at it; ``ready`` changes nothing here (module
+        docstring)."""
+        data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
+        self._check_usable()
+        t = self._app_round
+        self._hold(self.rank, t, time.monotonic() + self.timeout)
+        try:
+            np.copyto(self._published[self.rank], data)
+            self._board.words[self.rank][PUBLISHED] = t
+        finally:
+            shm_lock.release(self._board.locks[self.rank])
+
+    def step(self, buf: Any, *, async_op: bool = False) -> Any:
+        """Contribute ``buf`` to this iteration's round and replace it in place
+        by the round's result. Returns a RoundInfo (or a handle whose
+        ``wait()`` returns it)."""
+        data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
+        self._check_usable()
+        t = self._app_round
+        self._app_round += 1
+        started = time.monotonic()
+        if is_sync_round(t, self.sync_every):
+            handle = self._sync_round(t, buf, data, started)
+            return handle if async_op else handle.wait()
+        info = self._group_round(t, data, started)
+        if not async_op:
+            return info
+        done = Handle(self.kind, t, started, lambda: True)
+        done._complete(info)
+        return done
+
+    def flush(self, buf: Any = None) -> RoundInfo | None:
+        """Collective: every rank must have taken the same number of steps;
+        with ``buf``, one extra global mean of it (as a sync round)."""
+        data = None if buf is None else check_step_buffer(
+            self.kind, self.count, self.dtype, buf)[0]
+        self._check_usable()
+        self._agree("flush")
+        self.telemetry.flushes += 1
+        if data is None:
+            return None
+        started = time.monotonic()
+        return self._sync_round(self._app_round, buf, data, started, counted=False).wait()
+
+    def close(self) -> None:
+        """Collective: every rank must have taken the same number of steps
+        (so nobody reads this rank's slot any more); then unmaps. A broken
+        collective is released locally. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._error is None and not self._comm.closed:
+                self._agree("close")
+        finally:
+            self._board.close()
+
+    def statistics(self) -> dict[str, Any]:
+        """As the message path's (docs/partial.md, "Telemetry"); ``path`` says
+        which. Rounds are counted where their result is applied here."""
+        stats = self.telemetry.as_dict()
+        stats.update(kind=self.kind, rank=self.rank, size=self.size,
+                     sync_every=self.sync_every, iteration=self._app_round,
+                     started_round=self._completed, completed_round=self._completed,
+                     broken=None if self._error is None else str(self._error),
+                     group_size=self.group_size, activation=self.activation,
+                     normalization=self.normalization, path=self.path)
+        return stats
+
+    def __enter__(self) -> "SharedWaitAvoidingGroupAllreduce":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._closed = True
+            self._board.close()
+
+    # -- group rounds ---------------------------------------------------------------
+    def _members(self, r: int) -> tuple[int, ...]:
+        step = group_step(r + self.offset, self.sync_every)
+        return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
+
+    def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
+        members = self._members(t)
+        me, words = self.rank, self._board.words
+        held = self._hold_all(members, t)
+        try:
+            np.copyto(self._published[me], data)
+            words[me][PUBLISHED] = t
+            newest = int(words[me][RESULT])
+            if newest < t:  # first to arrive: this rank runs the round for the group
+                self._run_round(t, members)
+                newest, staleness = t, 0
+            else:  # a peer ran it (or a later round of ours) without us
+                staleness = newest - t + 1
+            others, held = [m for m in held if m != me], [me]
+            self._release(others)
+            group = members if newest == t else self._members(newest)
+            flags = self._board.flags[me]
+            fresh = tuple(m for i, m in enumerate(group) if flags[i])
+            activator = int(words[me][ACTIVATOR])
+            self._combine(data, len(group))  # under this rank's lock: its result block
+        finally:
+            self._release(held)
+        self._completed = max(self._completed, newest)
+        telemetry = self.telemetry
+        telemetry.record_round(group, fresh, False)
+        telemetry.record_call(staleness, time.monotonic() - started, False)
+        if activator == me:
+            telemetry.activated_here += 1
+        else:
+            telemetry.activated_elsewhere += 1
+        if me in fresh:
+            telemetry.fresh_contributions += 1
+        else:
+            telemetry.stale_contributions += 1
+        return RoundInfo(round=newest, step=group_step(newest + self.offset, self.sync_every),
+                         group=group, activator=activator, fresh=fresh,
+                         staleness=staleness, synchronized=False, iteration=t)
+
+    def _run_round(self, t: int, members: tuple[int, ...]) -> None:
+        """(every member's lock held) Sum the members' published models into
+        this rank's result block, then hand it to every member still older."""
+        me, words, board = self.rank, self._board.words, self._board
+        reduce = self._reducers.get(members)
+        if reduce is None:
+            reduce = host_kernels.rows_reducer(
+                "sum", self.dtype, [self._published[m] for m in members])
+            self._reducers[members] = reduce
+        reduce(self._results[me])
+        flags = board.flags[me]
+        for i, m in enumerate(members):
+            flags[i] = words[m][PUBLISHED] == t
+        words[me][RESULT], words[me][ACTIVATOR] = t, me
+        n = len(members)
+        for m in members:
+            if m != me and words[m][RESULT] < t:
+                np.copyto(self._results[m], self._results[me])
+                board.flags[m][:n] = flags[:n]
+                words[m][RESULT], words[m][ACTIVATOR] = t, me
+
+    def _combine(self, out: np.ndarray, n: int) -> None:
+        total = self._results[self.rank]
+        if self.normalization == "mean":
+            host_kernels.average_into(out, [total], n, self.dtype)
+        else:
+            host_kernels.average_into(out, [total, out], n + 1, self.dtype)
+
+    # -- locks ----------------------------------------------------------------------
+    def _hold_all(self, members: tuple[int, ...], t: int) -> list[int]:
+        """Every member's lock, in rank order (no two ranks deadlock)."""
+        deadline = time.monotonic() + self.timeout
+        held: list[int] = []
+        try:
+            for m in sorted(members):
+                self._hold(m, t, deadline)
+                held.append(m)
+        except BaseException:
+            self._release(held)
+            raise
+        return held
+
+    def _hold(self, m: int, t: int, deadline: float) -> None:
+        words = self._board.words[m]
+        try:
+            shm_lock.acquire(self._board.locks[m], deadline)
+        except shm_lock.LockTimeout:
+            holder = int(words[HOLDER])
+            raise self._break(CollectiveTimeoutError(
+                self.kind, t, [holder], f"rank {holder} held rank {m}'s board slot for "
+                f"more than {self.timeout:g} s")) from None
+        except shm_lock.OwnerDied:
+            holder = int(words[HOLDER])
+            raise self._break(RankFailedError(
+                self.kind, t, [holder], f"rank {holder} died holding rank {m}'s board "
+                "slot")) from None
+        words[HOLDER] = self.rank
+
+    def _release(self, held: list[int]) -> None:
+        for m in held:
+            shm_lock.release(self._board.locks[m])
+
+    # -- blocking rounds ------------------------------------------------------------
+    def _sync_round(self, t: int, buf: Any, data: np.ndarray, started: float,
+                    counted: bool = True) -> _Continued:
+        """The global mean of every rank's ``buf`` (``data``: its host array),
+        then published here."""
+        inner = self._comm.allreduce(buf, "avg", async_op=True,
+                                     algorithm=self._sync_algorithm, timeout=self.timeout)
+
+        def then(error: BaseException | None) -> RoundInfo:
+            if error is not None:
+                raise self._named(error, t, "synchronous round")
+            self._hold(self.rank, t, time.monotonic() + self.timeout)
+            try:
+                np.copyto(self._published[self.rank], data)
+                self._board.words[self.rank][PUBLISHED] = t
+            finally:
+                shm_lock.release(self._board.locks[self.rank])
+            self.telemetry.record_round(self._everyone, self._everyone, True)
+            if counted:
+                self.telemetry.record_call(0, time.monotonic() - started, True)
+                self.telemetry.fresh_contributions += 1
+                self._completed = t
+            return RoundInfo(round=t, step=None, group=self._everyone, activator=None,
+                             fresh=self._everyone, staleness=0, synchronized=True,
+                             iteration=t)
+        return _Continued(inner, then)
+
+    def _agree(self, what: str) -> None:
+        """Collective: every rank's step count, compared (a rank that stepped
+        a different number of times is named)."""
+        counts = np.zeros(self.size, dtype=np.int64)
+        counts[self.rank] = self._app_round
+        try:
+            self._comm.allreduce(counts, "sum", timeout=self.timeout)
+        except CollectiveError as exc:
+            raise self._named(exc, self._app_round, f"{what}()") from None
+        mine = f"{what}() after {self._app_round} steps"
+        differ = {r: f"{what}() after {int(n)} steps" for r, n in enumerate(counts)
+                  if n != self._app_round}
+        if differ:
+            raise self._break(MismatchError(self.kind, self._app_round, differ, mine))
+
+    def _named(self, error: BaseException, t: int, what: str) -> WagmaError:
+        """The communicator's error, renamed for this collective's round."""
+        if isinstance(error, (CollectiveTimeoutError, RankFailedError)):
+            error = type(error)(self.kind, t, error.ranks, f"{what}: {error}")
+        elif not isinstance(error, WagmaError):
+            error = WagmaError(str(error))
+        return self._break(error)
+
+    def _break(self, error: WagmaError) -> WagmaError:
+        if self._error is None:
+            self._error = error
+        return error
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"{self.kind} is closed")
+        if self._error is not None:
+            raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
+        if self._comm.closed:
+            raise CommunicatorClosedError(f"{self.kind}: its communicator is closed")
+
+
+# -- choosing the path (collective) ---------------------------------------------------
+def unavailable_reason(comm: Any, nbytes: int) -> str | None:
+    """Why a board cannot serve this collective; the same answer on every
+    rank (the communicator's segment is agreed at init)."""
+    if comm.shared_memory_bytes == 0:
+        reason = comm._transport.shared_unavailable or "no shared-memory segment"
+        return f"the communicator has no shared-memory segment ({reason})"
+    if shm_lock.UNAVAILABLE:
+        return shm_lock.UNAVAILABLE
+    if nbytes > MODEL_MAX_BYTES:
+        return f"{nbytes} bytes is over the board's {MODEL_MAX_BYTES} bytes per rank"
+    return None
+
+
+def open_board(comm: Any, ident: int, initial: np.ndarray,
+               timeout: float) -> tuple[Board | None, str | None]:
+    """Collective: rank 0 creates the board, the others map it, every rank
+    puts ``initial`` in its published slot; a board only if all could."""
+    path = f"{comm._shared.segment.path}-p{ident}"
+    board, reason = None, None
+    if comm.rank == 0:
+        try:
+            board = Board.create(path, comm.size, initial.nbytes)
+        except OSError as exc:
+            reason = f"rank 0 could not create {path}: {exc}"
+    created = np.array([board is not None or comm.rank != 0], dtype=np.int64)
+    comm.allreduce(created, "min", timeout=timeout)
+    if created[0] and comm.rank != 0:
+        try:
+            board = Board.attach(path, comm.size, initial.nbytes)
+        except OSError as exc:
+            reason = f"rank {comm.rank} could not map {path}: {exc}"
+    if board is not None:
+        board.published[comm.rank][:] = initial.reshape(-1).view(np.uint8)
+    mapped = np.array([board is not None], dtype=np.int64)
+    comm.allreduce(mapped, "min", timeout=timeout)
+    if board is not None and comm.rank == 0:
+        board.unlink()
+    if mapped[0]:
+        return board, None
+    if board is not None:
+        board.close()
+    return None, reason or "a rank could not create or map the board"
+
+
+def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
+           activation: str = "global", normalization: str = "wagma",
+           timeout: float | None = None, algorithm: str | None = None,
+           offset: int = 0) -> Any:
+    """Collective: the wait-avoiding group allreduce on the board where it
+    can run (``algorithm`` None or ``"shared_memory"``), else on messages."""
+    check_sync_every(sync_every)
+    check_options(comm.size, group_size, activation, normalization)
+    if algorithm == SHARED_MEMORY or algorithm is None:
+        data = as_buffer(buf, "buf").host_array()
+        reason = unavailable_reason(comm, data.nbytes)
+        if reason is None:
+            deadline = comm._call_timeout(timeout)
+            ident = comm._register_partial()
+            board, reason = open_board(comm, ident, data, deadline)
+            if board is not None:
+                return comm._create(SharedWaitAvoidingGroupAllreduce(
+                    comm, buf, board, ident, group_size, sync_every, activation=activation,
+                    normalization=normalization, timeout=deadline, offset=offset))
+        if algorithm == SHARED_MEMORY:
+            raise UnsupportedError("algorithm", f"shared_memory: {reason}")
+        algorithm = None
+    elif algorithm not in algorithms.ALLREDUCE_ALGORITHMS or algorithm == "native":
+        usable = [a for a in algorithms.ALLREDUCE_ALGORITHMS if a != "native"]
+        raise InvalidArgumentError(
+            "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
+    return comm._create(WaitAvoidingGroupAllreduce(
+        comm, buf, group_size, sync_every, activation=activation,
+        normalization=normalization, timeout=timeout, algorithm=algorithm, offset=offset))
+
+
+__all__ = ["SharedWaitAvoidingGroupAllreduce", "create", "unavailable_reason",
+           "MODEL_MAX_BYTES", "SHARED_MEMORY"]

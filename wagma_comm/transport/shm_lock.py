@@ -1,0 +1,111 @@
+"""Process-shared, robust locks inside a shared-memory mapping.
+
+Why: a wait-avoiding round through shared memory (partial/shared_wagma.py) is
+computed by whichever member arrives first, so two members may try at once,
+and a publisher may rewrite its model while a peer reads it. NumPy has no
+atomic compare-and-swap; glibc's process-shared mutexes give mutual
+exclusion, the memory ordering around it (on every architecture, unlike the
+store order the small-reduction exchange relies on), a sleep in the kernel
+instead of a spin while contended (ranks may outnumber cores), a deadline
+(``pthread_mutex_clocklock``) and, being *robust*, an error instead of a hang
+when the holder died.
+
+Each lock takes :data:`LOCK_BYTES` of the mapping; rank 0 initialises them
+before the others attach. Called through ctypes, which releases the GIL for
+the call, so a contended lock never stalls the caller's other threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+
+LOCK_BYTES = 64
+"""Room for one pthread_mutex_t (40 bytes on x86-64 glibc, 48 on aarch64)."""
+
+_CLOCK_MONOTONIC = 1  # Linux
+_PTHREAD_PROCESS_SHARED = 1
+_PTHREAD_MUTEX_ROBUST = 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class LockTimeout(Exception):
+    """The lock was not free before the deadline."""
+
+
+class OwnerDied(Exception):
+    """The holder's process ended while holding the lock: what it guarded may
+    be half written. The lock is released (and usable) again."""
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6", use_errno=False)
+        for symbol in ("pthread_mutexattr_setpshared", "pthread_mutexattr_setrobust",
+                       "pthread_mutex_clocklock", "pthread_mutex_consistent"):
+            getattr(libc, symbol)
+    except (OSError, AttributeError) as exc:
+        return None, f"the C library has no robust process-shared mutexes ({exc})"
+    return libc, None
+
+
+_LIBC, UNAVAILABLE = _load()
+if _LIBC is not None:
+    for _fn in ("pthread_mutex_trylock", "pthread_mutex_unlock", "pthread_mutex_consistent"):
+        getattr(_LIBC, _fn).argtypes = [ctypes.c_void_p]
+        getattr(_LIBC, _fn).restype = ctypes.c_int
+    _LIBC.pthread_mutex_clocklock.argtypes = [ctypes.c_void_p, ctypes.c_int,
+                                              ctypes.POINTER(_Timespec)]
+    _LIBC.pthread_mutex_clocklock.restype = ctypes.c_int
+
+
+def init_lock(address: int) -> None:
+    """Initialise a robust process-shared mutex at ``address`` (rank 0, once,
+    before any other process maps the memory)."""
+    assert _LIBC is not None, UNAVAILABLE
+    attr = ctypes.create_string_buffer(64)
+    for call, args in (("pthread_mutexattr_init", ()),
+                       ("pthread_mutexattr_setpshared", (_PTHREAD_PROCESS_SHARED,)),
+                       ("pthread_mutexattr_setrobust", (_PTHREAD_MUTEX_ROBUST,))):
+        rc = getattr(_LIBC, call)(attr, *args)
+        if rc:
+            raise OSError(rc, f"{call}: {errno.errorcode.get(rc, rc)}")
+    rc = _LIBC.pthread_mutex_init(ctypes.c_void_p(address), attr)
+    _LIBC.pthread_mutexattr_destroy(attr)
+    if rc:
+        raise OSError(rc, f"pthread_mutex_init: {errno.errorcode.get(rc, rc)}")
+
+
+def acquire(address: int, deadline: float) -> None:
+    """Lock the mutex at ``address``; ``deadline`` on ``time.monotonic()``.
+    Raises LockTimeout or OwnerDied (in which case the lock is not held)."""
+    assert _LIBC is not None, UNAVAILABLE
+    rc = _LIBC.pthread_mutex_trylock(address)  # the common, uncontended case
+    if rc == errno.EBUSY:
+        # time.monotonic() is CLOCK_MONOTONIC on Linux, which clocklock takes.
+        whole = int(deadline)
+        when = _Timespec(whole, int((deadline - whole) * 1e9))
+        rc = _LIBC.pthread_mutex_clocklock(address, _CLOCK_MONOTONIC, ctypes.byref(when))
+    if rc == 0:
+        return
+    if rc == errno.ETIMEDOUT:
+        raise LockTimeout()
+    if rc == errno.EOWNERDEAD:
+        _LIBC.pthread_mutex_consistent(address)
+        _LIBC.pthread_mutex_unlock(address)
+        raise OwnerDied()
+    raise OSError(rc, f"pthread_mutex_lock: {errno.errorcode.get(rc, rc)}")
+
+
+def release(address: int) -> None:
+    assert _LIBC is not None, UNAVAILABLE
+    _LIBC.pthread_mutex_unlock(address)
+
+
+__all__ = ["LOCK_BYTES", "UNAVAILABLE", "LockTimeout", "OwnerDied", "init_lock",
+           "acquire", "release"]
