@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Iterator
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -71,3 +72,21 @@ def _in_step(comm: wagma_comm.Communicator) -> Iterator[None]:
     next test's collective deadlines."""
     comm.barrier()
     yield
+
+
+def step_into_a_missing_sync_round(w: object, slow: int) -> None:
+    """Ranks other than ``slow`` (which never steps): two group rounds go
+    ahead without it, and the sync round (round 2 of ``sync_every=3``) fails
+    with a timeout naming it; the collective is broken afterwards and is
+    released locally. Either path of the wait-avoiding group allreduce."""
+    model = np.zeros(2)
+    w.step(model)
+    w.step(model)
+    with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+        w.step(model)
+    err = info.value
+    assert err.collective == "wait_avoiding_group_allreduce" and err.round == 2
+    assert err.ranks == (slow,)
+    with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+        w.step(model)
+    w.close()

@@ -19,6 +19,8 @@ from mpi4py import MPI
 import wagma_comm
 from wagma_comm import Communicator, RoundInfo
 
+from conftest import step_into_a_missing_sync_round
+
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 SLOW = SIZE - 1
@@ -531,16 +533,7 @@ def test_a_rank_that_stops_stepping_is_named_at_the_sync_round() -> None:
     w = c.wait_avoiding_group_allreduce(np.zeros(2), 1 if SIZE < 2 else 2, sync_every=3,
                                         timeout=1.0)
     if RANK != SLOW:
-        w.step(np.zeros(2))
-        w.step(np.zeros(2))
-        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
-            w.step(np.zeros(2))  # round 2: synchronous, the slow rank never comes
-        err = info.value
-        assert err.collective == "wait_avoiding_group_allreduce" and err.round == 2
-        assert err.ranks == (SLOW,)
-        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
-            w.step(np.zeros(2))
-        w.close()  # broken: released locally
+        step_into_a_missing_sync_round(w, SLOW)
     WORLD.Barrier()
     if RANK == SLOW:  # close() is collective; the others are gone
         with pytest.raises(wagma_comm.CollectiveTimeoutError):

@@ -1,0 +1,224 @@
+"""WAGMA's wait-avoiding group allreduce through shared memory
+(partial/shared_wagma.py): the default where every rank is on this host.
+
+As in test_partial.py, lateness is ordered with MPI barriers on another
+communicator, not timed: if a round waited for a member that has not
+arrived, the test would hang and fail at its timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import wagma_comm
+from wagma_comm import Communicator, RoundInfo
+from wagma_comm.partial.shared_wagma import MODEL_MAX_BYTES
+
+from conftest import message_path, step_into_a_missing_sync_round
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+SLOW = SIZE - 1
+SHARED = "shared_memory"
+
+needs_peers = pytest.mark.skipif(SIZE == 1, reason="one rank has no shared-memory segment")
+
+
+def _wagma(comm: Communicator, initial: Any, group_size: int, sync_every: int,
+           **kw: Any) -> Any:
+    w = comm.wait_avoiding_group_allreduce(initial, group_size, sync_every, **kw)
+    assert w.statistics()["path"] == SHARED
+    return w
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+@needs_peers
+def test_fast_ranks_never_wait_and_a_late_rank_gets_the_newest_round(
+        comm: Communicator) -> None:
+    """Integer-valued models. Fast rank f publishes f+1 before a barrier of
+    the fast ranks, then steps; the slow rank publishes nothing and steps only
+    after every fast step, so its contribution is the initial model (100) and
+    every result is exact."""
+    steps, group_size = 6, 2
+    w = _wagma(comm, np.full(4, 100.0), group_size, sync_every=steps + 1)
+    value = {r: float(r + 1) for r in range(SIZE)}
+    value[SLOW] = 100.0
+    fast = WORLD.Split(int(RANK == SLOW), RANK)
+    if RANK != SLOW:
+        for t in range(steps):
+            model = np.full(4, value[RANK])
+            w.publish(model)
+            fast.Barrier()
+            info = w.step(model)
+            group = tuple(comm.group_of(group_size, info.step))
+            assert (info.round, info.iteration, info.group) == (t, t, group)
+            assert not info.synchronized and info.activator in group
+            assert info.fresh == tuple(r for r in group if r != SLOW)
+            expected = (sum(value[j] for j in group) + value[RANK]) / (len(group) + 1)
+            assert np.all(model == expected), (t, group, model, expected)
+            fast.Barrier()  # nobody publishes round t+1 before everyone stepped t
+    WORLD.Barrier()  # the slow rank starts only now
+    if RANK == SLOW:
+        for t in range(steps):
+            model = np.full(4, 100.0)
+            info = w.step(model)
+            assert info.round >= t and info.staleness == info.round - t + 1
+            group = tuple(comm.group_of(group_size, info.step))
+            assert info.group == group and SLOW not in info.fresh
+            expected = (sum(value[j] for j in group) + 100.0) / (len(group) + 1)
+            assert np.all(model == expected), (t, info, model, expected)
+        stats = w.statistics()
+        assert stats["late_steps"] >= 1 and stats["activated_here"] + \
+            stats["activated_elsewhere"] == steps
+    model = np.full(4, value[RANK])
+    info = w.step(model)  # round `steps`: synchronous, everyone
+    assert info.synchronized and info.fresh == tuple(range(SIZE))
+    assert np.all(model == sum(value.values()) / SIZE)
+    w.close()
+    fast.Free()
+
+
+@needs_peers
+@pytest.mark.parametrize("normalization", ["wagma", "mean"])
+def test_both_paths_give_the_same_rounds_when_everyone_published(
+        comm: Communicator, normalization: str) -> None:
+    """Every rank publishes, then all step: every contribution is fresh on
+    both paths, and the results (integer-valued, so exact in any order)
+    and the rounds' groups agree with the message path's."""
+    rng = np.random.default_rng(7 + RANK)
+    for group_size in sorted({1, 2, min(3, SIZE), SIZE}):
+        init = np.zeros(33, np.float32)
+        on_board = _wagma(comm, init, group_size, 4, normalization=normalization)
+        on_messages = comm.wait_avoiding_group_allreduce(
+            init, group_size, 4, normalization=normalization, algorithm="recursive_doubling")
+        assert "path" not in on_messages.statistics()
+        for t in range(9):
+            x = rng.integers(-50, 50, 33).astype(np.float32)
+            a, b = x.copy(), x.copy()
+            for w, buf in ((on_board, a), (on_messages, b)):
+                w.publish(buf)
+            WORLD.Barrier()
+            ia, ib = on_board.step(a), on_messages.step(b)
+            np.testing.assert_array_equal(a, b)
+            assert (ia.round, ia.group, ia.synchronized) == (ib.round, ib.group, ib.synchronized)
+            assert ia.fresh == ia.group
+        on_board.close()
+        on_messages.close()
+
+
+@needs_peers
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_run_replicas_agree_bitwise_after_every_sync_round(
+        comm: Communicator, dtype: str) -> None:
+    """300 steps with random 0-3 ms delays on every rank: many stale and late
+    contributions, yet after every sync round all replicas hold the same bits,
+    the exact mean of the ranks' integer-valued inputs."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    sync_every, n = 10, 65
+    rng = random.Random(RANK)
+    w = _wagma(comm, torch.zeros(n, dtype=tdtype), min(4, SIZE), sync_every)
+    syncs = 0
+    for t in range(300):
+        time.sleep(rng.random() * 0.003)
+        value = float((t * 7 + RANK * 3) % 11)
+        model = torch.full((n,), value, dtype=tdtype)
+        info = w.step(model)
+        if info.synchronized:
+            syncs += 1
+            values = [float((t * 7 + r * 3) % 11) for r in range(SIZE)]
+            expected = torch.full((n,), sum(values) / SIZE, dtype=torch.float32).to(tdtype)
+            digest = _digest(model.view(torch.int16 if dtype == "bfloat16" else torch.int32)
+                             .numpy())
+            assert len(set(WORLD.allgather(digest))) == 1, t
+            assert torch.equal(model, expected), (t, model[:3], expected[:3])
+        else:
+            assert info.round >= t and info.staleness == (info.round - t + 1 if
+                                                          info.staleness else 0)
+    assert syncs == 300 // sync_every
+    stats = w.statistics()
+    assert stats["steps"] == 300 and stats["sync_rounds"] == syncs
+    assert stats["fresh_contributions"] + stats["stale_contributions"] == 300
+    w.close()
+
+
+@needs_peers
+def test_async_steps_return_handles_and_a_sync_round_overlaps(comm: Communicator) -> None:
+    w = _wagma(comm, np.zeros(8), min(2, SIZE), sync_every=2)
+    h = w.step(np.full(8, float(RANK)), async_op=True)
+    assert h.done and isinstance(h.wait(), RoundInfo)
+    model = np.full(8, float(RANK))
+    h = w.step(model, async_op=True)  # round 1: synchronous
+    while not h.test():
+        pass
+    info = h.wait()
+    assert info.synchronized and info.round == 1
+    assert np.all(model == sum(range(SIZE)) / SIZE)
+    w.close()
+
+
+@needs_peers
+def test_a_rank_that_stops_stepping_is_named_at_the_sync_round() -> None:
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(2), 2, sync_every=3, timeout=1.0)
+    if RANK != SLOW:
+        step_into_a_missing_sync_round(w, SLOW)
+    WORLD.Barrier()
+    if RANK == SLOW:  # close() is collective; the others are gone, and their
+        # sync round's call is what its agreement meets on the segment
+        with pytest.raises((wagma_comm.CollectiveTimeoutError, wagma_comm.MismatchError)):
+            w.close()
+    c.close(cancel=True)
+
+
+@needs_peers
+def test_close_after_different_step_counts_names_the_ranks(comm: Communicator) -> None:
+    w = _wagma(comm, np.zeros(3), 2, sync_every=5)
+    for _ in range(2 if RANK == SLOW else 3):
+        w.step(np.zeros(3))
+    with pytest.raises(wagma_comm.MismatchError) as info:
+        w.close()
+    expected = tuple(r for r in range(SIZE) if r != RANK) if RANK == SLOW else (SLOW,)
+    assert info.value.ranks == expected and "close() after" in str(info.value)
+
+
+@needs_peers
+def test_flush_is_a_global_mean_and_publishes_it(comm: Communicator) -> None:
+    w = _wagma(comm, np.zeros(5), 2, sync_every=100)
+    w.step(np.full(5, float(RANK)))
+    model = np.full(5, float(RANK * 2))
+    info = w.flush(model)
+    assert info.synchronized and np.all(model == 2 * sum(range(SIZE)) / SIZE)
+    assert w.flush() is None
+    w.close()
+
+
+def test_explicit_shared_memory_is_refused_where_it_cannot_run() -> None:
+    with message_path():
+        c = wagma_comm.init(timeout=30)
+    with pytest.raises(wagma_comm.UnsupportedError, match="shared_memory"):
+        c.wait_avoiding_group_allreduce(np.zeros(4), 1, 2, algorithm=SHARED)
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        c.wait_avoiding_group_allreduce(np.zeros(4), 1, 2, algorithm="native")
+    assert info.value.argument == "algorithm"
+    c.close()
+    if SIZE > 1:
+        c = wagma_comm.init(timeout=30)
+        big = np.zeros(MODEL_MAX_BYTES // 4 + 1, np.float32)
+        with pytest.raises(wagma_comm.UnsupportedError, match="board"):
+            c.wait_avoiding_group_allreduce(big, 1, 2, algorithm=SHARED)
+        w = c.wait_avoiding_group_allreduce(big, 1, 2)  # the message path, by default
+        assert "path" not in w.statistics()
+        w.close()
+        c.close()

@@ -1,0 +1,91 @@
+"""The robust process-shared locks (transport/shm_lock.py) and the board of
+a wait-avoiding collective (transport/shm_board.py), with real processes."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+
+import numpy as np
+import pytest
+
+from wagma_comm.transport import shm_lock
+from wagma_comm.transport.shm_board import PUBLISHED, RESULT, Board, block_bytes
+
+pytestmark = pytest.mark.skipif(shm_lock.UNAVAILABLE is not None,
+                                reason=str(shm_lock.UNAVAILABLE))
+
+
+@pytest.fixture
+def lock_address() -> int:
+    memory = mmap.mmap(-1, 4096)  # MAP_SHARED: a forked child sees the same page
+    address = np.frombuffer(memory, np.uint8).ctypes.data
+    shm_lock.init_lock(address)
+    yield address
+    memory.close()
+
+
+def _in_child(fn) -> int:
+    """Run ``fn`` in a forked process; its exit status (0: fn returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if fn() else 1)
+        except BaseException:
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_held_lock_times_out_in_another_process(lock_address: int) -> None:
+    shm_lock.acquire(lock_address, time.monotonic() + 1)
+
+    def contend() -> bool:
+        start = time.monotonic()
+        try:
+            shm_lock.acquire(lock_address, start + 0.2)
+        except shm_lock.LockTimeout:
+            return 0.15 < time.monotonic() - start < 5
+        return False
+    assert _in_child(contend) == 0
+    shm_lock.release(lock_address)
+    assert _in_child(lambda: shm_lock.acquire(lock_address, time.monotonic() + 1) is None) == 0
+
+
+def test_a_holder_that_died_is_reported_once_and_the_lock_works_again(
+        lock_address: int) -> None:
+    assert _in_child(lambda: shm_lock.acquire(lock_address, time.monotonic() + 1) is None) == 0
+    with pytest.raises(shm_lock.OwnerDied):
+        shm_lock.acquire(lock_address, time.monotonic() + 1)
+    shm_lock.acquire(lock_address, time.monotonic() + 1)  # released and consistent
+    shm_lock.release(lock_address)
+
+
+def test_the_board_is_laid_out_per_rank_and_shared_between_mappings() -> None:
+    path = f"/dev/shm/wagma-test-{secrets.token_hex(6)}"
+    size, nbytes = 3, 100
+    board = Board.create(path, size, nbytes)
+    try:
+        assert os.path.getsize(path) == size * block_bytes(size, nbytes)
+        other = Board.attach(path, size, nbytes)
+        for k in range(size):
+            assert board.words[k][PUBLISHED] == -1 and board.words[k][RESULT] == -1
+            assert board.published[k].size == nbytes == board.result[k].size
+            assert board.locks[k] % 64 == 0 and board.published[k].ctypes.data % 64 == 0
+        board.published[1][:] = 7
+        board.words[2][RESULT] = 5
+        assert np.all(other.published[1] == 7) and other.words[2][RESULT] == 5
+        assert np.all(other.published[0] == 0) and np.all(other.result[1] == 0)
+        deadline = time.monotonic() + 1
+        shm_lock.acquire(board.locks[0], deadline)
+        with pytest.raises(shm_lock.LockTimeout):  # the same lock through the other mapping
+            shm_lock.acquire(other.locks[0], time.monotonic() + 0.05)
+        shm_lock.release(board.locks[0])
+        other.close()
+    finally:
+        board.unlink()
+        board.close()
+    assert not os.path.exists(path)
+    with pytest.raises(OSError):
+        Board.attach(path, size, nbytes)
