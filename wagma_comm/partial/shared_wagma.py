@@ -59,6 +59,8 @@ from .info import RoundInfo, Telemetry
 from .wagma import WaitAvoidingGroupAllreduce, check_options
 
 SHARED_MEMORY = "shared_memory"
+LIVENESS_PERIOD_S = 0.25
+"""How often a round with stale members asks whether they are alive."""
 MODEL_MAX_BYTES = 16 << 20
 """Largest model (bytes per rank) on the board. The member that computes a
 round holds its group's locks while it sums their models, so a peer that
@@ -144,6 +146,7 @@ class SharedWaitAvoidingGroupAllreduce:
         self._pending: dict[int, Any] = {}  # none: read by the communicator's exit report
         self._error: WagmaError | None = None
         self._closed = False
+        self._liveness_checked = 0.0
 
     def _open(self) -> None:
         """(Communicator._create) The board was agreed on in :func:`create`."""
@@ -246,6 +249,7 @@ class SharedWaitAvoidingGroupAllreduce:
             if newest < t:  # first to arrive: this rank runs the round for the group
                 self._run_round(t, members)
                 newest, staleness = t, 0
+                self._check_stale_members(t, members)
             else:  # a peer ran it (or a later round of ours) without us
                 staleness = newest - t + 1
             others, held = [m for m in held if m != me], [me]
@@ -293,6 +297,24 @@ class SharedWaitAvoidingGroupAllreduce:
                 np.copyto(self._results[m], self._results[me])
                 board.flags[m][:n] = flags[:n]
                 words[m][RESULT], words[m][ACTIVATOR] = t, me
+
+    def _check_stale_members(self, t: int, members: tuple[int, ...]) -> None:
+        """A member whose model was stale may be dead rather than slow: a
+        round never waits for it, so ask the liveness check (at most every
+        LIVENESS_PERIOD_S) and raise RankFailedError naming it, as the
+        message path's round does, instead of averaging with a dead model
+        until the next sync round."""
+        now = time.monotonic()
+        if now - self._liveness_checked < LIVENESS_PERIOD_S:
+            return
+        words = self._board.words
+        stale = [m for m in members if words[m][PUBLISHED] != t]
+        if not stale:
+            return
+        self._liveness_checked = now
+        failed = self._comm._engine.watch.dead_among(stale)
+        if failed is not None:
+            raise self._break(failed(self.kind, t))
 
     def _combine(self, out: np.ndarray, n: int) -> None:
         total = self._results[self.rank]
