@@ -47,6 +47,7 @@ from ..errors import (
     RankFailedError,
     UnsupportedError,
     WagmaError,
+    WaitTimeoutError,
 )
 from ..kernels import host as host_kernels
 from ..runtime.activation import group_step, is_sync_round
@@ -98,20 +99,24 @@ class _Continued:
         return info
 
     def test(self) -> bool:
+        error = None
         try:
             if not self._inner.test():
                 return False
         except WagmaError as exc:
-            self._settle(exc)
-        self._settle(None)
+            error = exc
+        self._settle(error)
         return True
 
     def wait(self, timeout: float | None = None) -> RoundInfo:
+        error = None
         try:
             self._inner.wait(timeout)
-        except CollectiveError as exc:
-            return self._settle(exc)
-        return self._settle(None)
+        except WaitTimeoutError:
+            raise  # still running: wait() may be called again
+        except WagmaError as exc:
+            error = exc
+        return self._settle(error)
 
 
 class SharedWaitAvoidingGroupAllreduce:
@@ -158,13 +163,7 @@ class SharedWaitAvoidingGroupAllreduce:
         docstring)."""
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._check_usable()
-        t = self._app_round
-        self._hold(self.rank, t, time.monotonic() + self.timeout)
-        try:
-            np.copyto(self._published[self.rank], data)
-            self._board.words[self.rank][PUBLISHED] = t
-        finally:
-            shm_lock.release(self._board.locks[self.rank])
+        self._publish(data, self._app_round)
 
     def step(self, buf: Any, *, async_op: bool = False) -> Any:
         """Contribute ``buf`` to this iteration's round and replace it in place
@@ -243,21 +242,21 @@ class SharedWaitAvoidingGroupAllreduce:
         me, words = self.rank, self._board.words
         held = self._hold_all(members, t)
         try:
-            np.copyto(self._published[me], data)
-            words[me][PUBLISHED] = t
+            self._write_published(data, t)
             newest = int(words[me][RESULT])
             if newest < t:  # first to arrive: this rank runs the round for the group
                 self._run_round(t, members)
                 newest, staleness = t, 0
-                self._check_stale_members(t, members)
             else:  # a peer ran it (or a later round of ours) without us
                 staleness = newest - t + 1
-            others, held = [m for m in held if m != me], [me]
-            self._release(others)
             group = members if newest == t else self._members(newest)
             flags = self._board.flags[me]
             fresh = tuple(m for i, m in enumerate(group) if flags[i])
             activator = int(words[me][ACTIVATOR])
+            if activator == me and newest == t and len(fresh) < len(group):
+                self._check_stale_members(t, [m for m in group if m not in fresh])
+            others, held = [m for m in held if m != me], [me]
+            self._release(others)
             self._combine(data, len(group))  # under this rank's lock: its result block
         finally:
             self._release(held)
@@ -298,7 +297,7 @@ class SharedWaitAvoidingGroupAllreduce:
                 board.flags[m][:n] = flags[:n]
                 words[m][RESULT], words[m][ACTIVATOR] = t, me
 
-    def _check_stale_members(self, t: int, members: tuple[int, ...]) -> None:
+    def _check_stale_members(self, t: int, stale: list[int]) -> None:
         """A member whose model was stale may be dead rather than slow: a
         round never waits for it, so ask the liveness check (at most every
         LIVENESS_PERIOD_S) and raise RankFailedError naming it, as the
@@ -307,14 +306,22 @@ class SharedWaitAvoidingGroupAllreduce:
         now = time.monotonic()
         if now - self._liveness_checked < LIVENESS_PERIOD_S:
             return
-        words = self._board.words
-        stale = [m for m in members if words[m][PUBLISHED] != t]
-        if not stale:
-            return
         self._liveness_checked = now
         failed = self._comm._engine.watch.dead_among(stale)
         if failed is not None:
             raise self._break(failed(self.kind, t))
+
+    def _publish(self, data: np.ndarray, t: int) -> None:
+        self._hold(self.rank, t, time.monotonic() + self.timeout)
+        try:
+            self._write_published(data, t)
+        finally:
+            shm_lock.release(self._board.locks[self.rank])
+
+    def _write_published(self, data: np.ndarray, t: int) -> None:
+        """(this rank's lock held) ``data`` is this rank's model of round ``t``."""
+        np.copyto(self._published[self.rank], data)
+        self._board.words[self.rank][PUBLISHED] = t
 
     def _combine(self, out: np.ndarray, n: int) -> None:
         total = self._results[self.rank]
@@ -368,12 +375,7 @@ class SharedWaitAvoidingGroupAllreduce:
         def then(error: BaseException | None) -> RoundInfo:
             if error is not None:
                 raise self._named(error, t, "synchronous round")
-            self._hold(self.rank, t, time.monotonic() + self.timeout)
-            try:
-                np.copyto(self._published[self.rank], data)
-                self._board.words[self.rank][PUBLISHED] = t
-            finally:
-                shm_lock.release(self._board.locks[self.rank])
+            self._publish(data, t)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
                 self.telemetry.record_call(0, time.monotonic() - started, True)
