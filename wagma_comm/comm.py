@@ -332,17 +332,20 @@ class Communicator:
                                       activation: str = "global",
                                       normalization: str = "wagma",
                                       timeout: float | None = None,
-                                      algorithm: str | None = None) -> Any:
+                                      algorithm: str | None = None,
+                                      grace: float = 0.0) -> Any:
         """WAGMA model averaging over shifting groups of at most ``group_size``
         ranks; every ``sync_every``-th step is a blocking global mean. Collective:
         every rank creates it, in the same order as other collectives. ``buf``
-        is the initial model (shape/dtype of every later step). See
-        docs/partial.md."""
+        is the initial model (shape/dtype of every later step). ``grace``
+        (shared-memory path only): the first member of a round may wait up to
+        that fraction of its own compute time for members one round behind.
+        See docs/partial.md."""
         from .partial import shared_wagma
 
         return shared_wagma.create(self, buf, group_size, sync_every, activation=activation,
                                    normalization=normalization, timeout=timeout,
-                                   algorithm=algorithm)
+                                   algorithm=algorithm, grace=grace)
 
     def solo_allreduce(self, buf: Any, sync_every: int, *, op: str = "avg",
                        timeout: float | None = None, algorithm: str | None = None) -> Any:

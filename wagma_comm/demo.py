@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .train.methods.averaging import WAGMA_GRACE
+
 DEFAULT_METHODS = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "majority", "wagma",
                    "ad_psgd")
 _LAUNCH_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -65,6 +67,10 @@ def add_parser(sub: Any) -> None:
                    help="when a WAGMA round starts: at the first member's gradient (models "
                         "published at the start of the iteration), at the first member's "
                         "iteration start, or once every member published (docs/training.md)")
+    p.add_argument("--grace", type=float, default=WAGMA_GRACE,
+                   help="shared-memory WAGMA: the first member of a round waits up to this "
+                        "fraction of its compute time for members one round behind "
+                        f"(0: never waits; default {WAGMA_GRACE:g}; docs/training.md)")
     p.add_argument("--shards", choices=("iid", "label"), default="iid",
                    help="iid: a random 1/P of the training set per rank; label: sorted "
                         "by label, so each rank sees only one or two classes")
@@ -143,7 +149,7 @@ def make_trainer(comm: Any, method: str, seed: int, o: argparse.Namespace) -> tu
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
         model=model, group_size=o.group_size or None, sync_every=o.sync_every, seed=seed,
-        activation=o.activation, round_start=o.round_start)
+        activation=o.activation, round_start=o.round_start, grace=o.grace)
     return model, opt
 
 
@@ -423,7 +429,8 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         print(f"# wagma demo: {P} ranks, digits MLP (64-{o.hidden}-10), {o.epochs} epochs of "
               f"{o.batch} samples/rank/step, SGD lr {o.lr} momentum {o.momentum}, injector "
               f"{spec}, compute {1e3 * o.compute:g} ms, group size {o.group_size}, sync every "
-              f"{o.sync_every} ({o.activation} activation, rounds start at the {o.round_start}), "
+              f"{o.sync_every} ({o.activation} activation, rounds start at the {o.round_start}, "
+              f"grace {o.grace:g}), "
               f"{o.shards} shards, seeds "
               f"0..{o.seeds - 1}", file=out, flush=True)
     # Warm-up (untimed): JIT-compiled kernels, schedules and channels.

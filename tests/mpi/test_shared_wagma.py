@@ -204,6 +204,100 @@ def test_flush_is_a_global_mean_and_publishes_it(comm: Communicator) -> None:
     w.close()
 
 
+COMPUTE_S, LATE_S = 0.5, 0.2
+
+
+def _step_after_compute(w: Any, fast: Any, t: int, late: bool) -> tuple[RoundInfo, np.ndarray]:
+    """Round ``t`` after COMPUTE_S of "compute" (from the last step's return,
+    what the grace is measured in): the fast ranks publish and meet at a
+    barrier before stepping, so only the late rank can be behind; it
+    publishes LATE_S after them (``late``) or not at all."""
+    time.sleep(COMPUTE_S)
+    model = np.full(4, float(10 * t + RANK + 1))
+    if RANK != SLOW:
+        w.publish(model)
+        fast.Barrier()
+        return w.step(model), model
+    if late:
+        time.sleep(LATE_S)
+        w.publish(model)
+    return w.step(model), model
+
+
+@needs_peers
+@pytest.mark.parametrize("grace", [0.0, 1.0])
+def test_grace_counts_a_member_a_moment_behind_fresh(comm: Communicator, grace: float) -> None:
+    """Round 1: the slow rank publishes LATE_S after its peers arrive. With a
+    grace of its peers' whole compute time (COMPUTE_S) they wait for it and
+    it is fresh; with none it is averaged in with round 0's model."""
+    group_size = min(4, SIZE)
+    w = _wagma(comm, np.zeros(4), group_size, sync_every=100, grace=grace)
+    fast = WORLD.Split(int(RANK == SLOW), RANK)
+    w.step(np.full(4, float(RANK + 1)))  # round 0, everyone: starts the compute clock
+    WORLD.Barrier()
+    info, model = _step_after_compute(w, fast, 1, late=True)
+    group = tuple(comm.group_of(group_size, info.step))
+    if RANK != SLOW:
+        assert info.round == 1 and info.group == group
+        waits_for_slow = grace > 0 and SLOW in group
+        assert info.fresh == (group if grace > 0 else tuple(r for r in group if r != SLOW))
+        slow_value = 10 + SLOW + 1 if grace > 0 else SLOW + 1  # round 1's or round 0's
+        total = sum(10 + r + 1 for r in group if r != SLOW) + (slow_value if SLOW in group
+                                                              else 0)
+        assert np.all(model == (total + 10 + RANK + 1) / (len(group) + 1)), (group, model)
+        stats = w.statistics()
+        assert stats["grace_waits"] <= int(waits_for_slow)  # only SLOW's group waits
+        assert stats["grace_wait_time_s"] < COMPUTE_S * grace + 1.0
+    else:
+        assert SLOW in info.fresh if grace > 0 else SLOW not in info.fresh
+    waited = WORLD.allreduce(w.statistics()["grace_wait_time_s"], MPI.MAX)
+    assert (waited > 0.5 * LATE_S) == (grace > 0)  # someone in SLOW's group waited
+    w.close()
+    fast.Free()
+
+
+@needs_peers
+def test_grace_is_bounded_and_skips_a_member_two_rounds_behind(comm: Communicator) -> None:
+    """The slow rank publishes nothing after round 0. Round 1: it is one
+    round behind, so its group's first member waits out the grace (a
+    quarter of COMPUTE_S) and averages without it. Round 2: two behind, a
+    straggler: nobody waits at all."""
+    group_size, grace = min(4, SIZE), 0.25
+    w = _wagma(comm, np.zeros(4), group_size, sync_every=100, grace=grace)
+    fast = WORLD.Split(int(RANK == SLOW), RANK)
+    w.step(np.full(4, float(RANK + 1)))
+    WORLD.Barrier()
+    if RANK != SLOW:
+        info, _ = _step_after_compute(w, fast, 1, late=False)
+        assert SLOW not in info.fresh
+        after_one = w.statistics()
+        info, _ = _step_after_compute(w, fast, 2, late=False)
+        assert SLOW not in info.fresh
+        after_two = w.statistics()
+        assert after_two["grace_waits"] == after_one["grace_waits"]
+        assert after_two["grace_wait_time_s"] == after_one["grace_wait_time_s"]
+        assert after_one["grace_wait_time_s"] < COMPUTE_S * grace + 1.0
+    waited = WORLD.allreduce(w.statistics()["grace_wait_time_s"], MPI.MAX)
+    assert 0.8 * COMPUTE_S * grace <= waited < COMPUTE_S * grace + 1.0
+    WORLD.Barrier()
+    if RANK == SLOW:
+        for t in (1, 2):
+            assert w.step(np.zeros(4)).staleness >= 1  # late: both rounds ran without it
+    w.close()
+    fast.Free()
+
+
+def test_grace_is_checked_before_any_communication(comm: Communicator) -> None:
+    for grace in (-0.5, 2.0, float("inf"), "0.1"):
+        with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+            comm.wait_avoiding_group_allreduce(np.zeros(4), 1, 2, grace=grace)
+        assert info.value.argument == "grace"
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4), 1, 2, grace=0.5,
+                                           algorithm="recursive_doubling")
+    assert w.grace == 0.5 and w.statistics()["grace_waits"] == 0  # messages: no effect
+    w.close()
+
+
 def test_explicit_shared_memory_is_refused_where_it_cannot_run() -> None:
     with message_path():
         c = wagma_comm.init(timeout=30)

@@ -38,6 +38,11 @@ def test_bad_knobs_raise_before_any_communication() -> None:
     assert m.round_start == "iteration"  # type: ignore[attr-defined]
     with pytest.raises(InvalidArgumentError, match="seed"):
         make_method("majority", seed=-1)
+    for grace in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(InvalidArgumentError, match="grace"):
+            make_method("wagma", grace=grace)  # type: ignore[arg-type]
+    assert make_method("wagma", grace=0.25).grace == 0.25  # type: ignore[attr-defined]
+    assert make_method("ad_psgd").grace == 0.0  # type: ignore[attr-defined]
 
 
 def test_local_sgd_communicates_every_period() -> None:

@@ -55,6 +55,8 @@ class Telemetry:
     stale_contributions: int = 0
     wait_time_s: float = 0.0
     sync_wait_time_s: float = 0.0
+    grace_waits: int = 0  # shared-memory WAGMA: rounds whose first member waited its grace
+    grace_wait_time_s: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
     seen_rounds: dict[int, int] = field(default_factory=dict)  # rank -> rounds shared
     seen_fresh: dict[int, int] = field(default_factory=dict)   # rank -> of them fresh
@@ -98,5 +100,7 @@ class Telemetry:
             "max_staleness": max(self.staleness, default=0),
             "wait_time_s": self.wait_time_s,
             "sync_wait_time_s": self.sync_wait_time_s,
+            "grace_waits": self.grace_waits,
+            "grace_wait_time_s": self.grace_wait_time_s,
             "participation": participation,
         }

@@ -21,8 +21,10 @@ unless said:
 * A member whose result block already holds round ``t`` or later is late: it
   gets that newest round at once (staleness ``newest - t + 1``), as the
   message path's late caller gets the most recent completed round.
-* Nobody ever waits for a peer in a group round: the locks are held for the
-  copy and the sum only. Sync rounds, ``flush`` and ``close`` are the
+* Nobody waits for a peer in a group round (the locks are held for the copy
+  and the sum only), except for the opt-in ``grace``: the first member to
+  arrive may wait a bounded time for members one round behind
+  (:meth:`SharedWaitAvoidingGroupAllreduce._await_one_behind`). Sync rounds, ``flush`` and ``close`` are the
   communicator's blocking allreduces (shared memory or messages by size).
 * No progress thread, no tokens: ``activation`` makes no difference, and a
   ready publish is an ordinary publish (a round uses whatever is published
@@ -62,6 +64,10 @@ from .wagma import WaitAvoidingGroupAllreduce, check_options
 SHARED_MEMORY = "shared_memory"
 LIVENESS_PERIOD_S = 0.25
 """How often a round with stale members asks whether they are alive."""
+GRACE_POLL_S = 100e-6
+"""How often a member in its grace period looks at its peers' published rounds."""
+COMPUTE_SMOOTHING = 0.125
+"""Weight of the newest compute time in its moving average (as TCP's RTT)."""
 MODEL_MAX_BYTES = 16 << 20
 """Largest model (bytes per rank) on the board. The member that computes a
 round holds its group's locks while it sums their models, so a peer that
@@ -129,13 +135,14 @@ class SharedWaitAvoidingGroupAllreduce:
 
     def __init__(self, comm: Any, buf: Any, board: Board, ident: int, group_size: int,
                  sync_every: int, *, activation: str, normalization: str,
-                 timeout: float, offset: int = 0) -> None:
+                 timeout: float, offset: int = 0, grace: float = 0.0) -> None:
         buffer = as_buffer(buf, "buf")
         self._comm, self._board, self._id = comm, board, ident
         self.rank, self.size = comm.rank, comm.size
         self.count, self.dtype = buffer.count, buffer.dtype
         self.group_size, self.sync_every, self.offset = group_size, sync_every, offset
         self.activation, self.normalization, self.timeout = activation, normalization, timeout
+        self.grace = grace
         storage = self.dtype.storage
         self._published = [b.view(storage) for b in board.published]
         self._results = [b.view(storage) for b in board.result]
@@ -152,6 +159,8 @@ class SharedWaitAvoidingGroupAllreduce:
         self._error: WagmaError | None = None
         self._closed = False
         self._liveness_checked = 0.0
+        self._left_step: float | None = None  # when the last step() returned
+        self._compute_s: float | None = None  # moving average of the time between steps
 
     def _open(self) -> None:
         """(Communicator._create) The board was agreed on in :func:`create`."""
@@ -174,10 +183,12 @@ class SharedWaitAvoidingGroupAllreduce:
         t = self._app_round
         self._app_round += 1
         started = time.monotonic()
+        self._measure_compute(started)
         if is_sync_round(t, self.sync_every):
             handle = self._sync_round(t, buf, data, started)
             return handle if async_op else handle.wait()
         info = self._group_round(t, data, started)
+        self._left_step = time.monotonic()
         if not async_op:
             return info
         done = Handle(self.kind, t, started, lambda: True)
@@ -240,6 +251,7 @@ class SharedWaitAvoidingGroupAllreduce:
     def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
         members = self._members(t)
         me, words = self.rank, self._board.words
+        waited = self._await_one_behind(t, members)
         held = self._hold_all(members, t)
         try:
             self._write_published(data, t)
@@ -264,6 +276,9 @@ class SharedWaitAvoidingGroupAllreduce:
         telemetry = self.telemetry
         telemetry.record_round(group, fresh, False)
         telemetry.record_call(staleness, time.monotonic() - started, False)
+        if waited is not None:
+            telemetry.grace_waits += 1
+            telemetry.grace_wait_time_s += waited
         if activator == me:
             telemetry.activated_here += 1
         else:
@@ -275,6 +290,41 @@ class SharedWaitAvoidingGroupAllreduce:
         return RoundInfo(round=newest, step=group_step(newest + self.offset, self.sync_every),
                          group=group, activator=activator, fresh=fresh,
                          staleness=staleness, synchronized=False, iteration=t)
+
+    def _measure_compute(self, now: float) -> None:
+        """Fold the time since the last step() returned (this rank's own
+        compute) into its moving average, which scales the grace."""
+        if self._left_step is None:
+            return
+        gap = now - self._left_step
+        self._compute_s = (gap if self._compute_s is None
+                           else self._compute_s + COMPUTE_SMOOTHING * (gap - self._compute_s))
+
+    def _await_one_behind(self, t: int, members: tuple[int, ...]) -> float | None:
+        """The grace (opt-in): before running round ``t``, wait at most
+        ``grace`` times this rank's mean compute time for the members whose
+        published model is of round ``t - 1``, so that a peer a moment
+        behind is counted fresh instead of averaged in with last round's
+        model. On messages a round's own latency gives peers that moment; on
+        the board a round takes microseconds. A member further behind is a
+        straggler and nobody waits for it; a peer that runs the round
+        meanwhile ends the wait. Holds no lock. Returns the seconds waited,
+        None if it did not wait."""
+        words, me = self._board.words, self.rank
+        if not self.grace or self._compute_s is None or words[me][RESULT] >= t:
+            return None
+        behind = [m for m in members if m != me]
+        if all(words[m][PUBLISHED] != t - 1 for m in behind):
+            return None
+        start = time.monotonic()
+        deadline = start + self.grace * self._compute_s
+        now = start
+        while now < deadline:
+            time.sleep(min(GRACE_POLL_S, deadline - now))
+            now = time.monotonic()
+            if words[me][RESULT] >= t or all(words[m][PUBLISHED] != t - 1 for m in behind):
+                break
+        return now - start
 
     def _run_round(self, t: int, members: tuple[int, ...]) -> None:
         """(every member's lock held) Sum the members' published models into
@@ -378,6 +428,7 @@ class SharedWaitAvoidingGroupAllreduce:
             self._publish(data, t)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
+                self._left_step = time.monotonic()
                 self.telemetry.record_call(0, time.monotonic() - started, True)
                 self.telemetry.fresh_contributions += 1
                 self._completed = t
@@ -471,11 +522,11 @@ def open_board(comm: Any, ident: int, initial: np.ndarray,
 def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
            activation: str = "global", normalization: str = "wagma",
            timeout: float | None = None, algorithm: str | None = None,
-           offset: int = 0) -> Any:
+           offset: int = 0, grace: float = 0.0) -> Any:
     """Collective: the wait-avoiding group allreduce on the board where it
     can run (``algorithm`` None or ``"shared_memory"``), else on messages."""
     check_sync_every(sync_every)
-    check_options(comm.size, group_size, activation, normalization)
+    check_options(comm.size, group_size, activation, normalization, grace)
     if algorithm == SHARED_MEMORY or algorithm is None:
         data = as_buffer(buf, "buf").host_array()
         reason = unavailable_reason(comm, data.nbytes)
@@ -486,7 +537,8 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
             if board is not None:
                 return comm._create(SharedWaitAvoidingGroupAllreduce(
                     comm, buf, board, ident, group_size, sync_every, activation=activation,
-                    normalization=normalization, timeout=deadline, offset=offset))
+                    normalization=normalization, timeout=deadline, offset=offset,
+                    grace=float(grace)))
         if algorithm == SHARED_MEMORY:
             raise UnsupportedError("algorithm", f"shared_memory: {reason}")
         algorithm = None
@@ -496,7 +548,8 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
             "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
     return comm._create(WaitAvoidingGroupAllreduce(
         comm, buf, group_size, sync_every, activation=activation,
-        normalization=normalization, timeout=timeout, algorithm=algorithm, offset=offset))
+        normalization=normalization, timeout=timeout, algorithm=algorithm, offset=offset,
+        grace=grace))
 
 
 __all__ = ["SharedWaitAvoidingGroupAllreduce", "create", "unavailable_reason",

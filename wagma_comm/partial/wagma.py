@@ -34,11 +34,24 @@ from .base import PartialCollective, Result, _Call
 
 ACTIVATION_SCOPES = ("global", "group")
 NORMALIZATIONS = ("wagma", "mean")
+GRACE_MAX = 1.0
+"""The longest grace: this rank's whole compute time (beyond it a round would
+wait longer for a peer than the peer's lateness could cost)."""
 
 
-def check_options(size: int, group_size: Any, activation: Any, normalization: Any) -> None:
+def check_grace(grace: Any) -> None:
+    if (isinstance(grace, bool) or not isinstance(grace, (int, float))
+            or not 0 <= grace <= GRACE_MAX):
+        raise InvalidArgumentError(
+            "grace", f"expected a fraction of the compute time in [0, {GRACE_MAX:g}], "
+            f"got {grace!r}")
+
+
+def check_options(size: int, group_size: Any, activation: Any, normalization: Any,
+                  grace: Any = 0.0) -> None:
     """The arguments both paths share, checked before any communication."""
     groups_mod.check_group_size(size, group_size)
+    check_grace(grace)
     if activation not in ACTIVATION_SCOPES:
         raise InvalidArgumentError(
             "activation", f"expected one of {list(ACTIVATION_SCOPES)}, got {activation!r}")
@@ -55,8 +68,8 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
     def __init__(self, comm: Any, buf: Any, group_size: int, sync_every: int, *,
                  activation: str = "global", normalization: str = "wagma",
                  timeout: float | None = None, algorithm: str | None = None,
-                 offset: int = 0) -> None:
-        check_options(comm.size, group_size, activation, normalization)
+                 offset: int = 0, grace: float = 0.0) -> None:
+        check_options(comm.size, group_size, activation, normalization, grace)
         super().__init__(comm, buf, sync_every, timeout, algorithm)
         # Round r uses iteration offset + r's groups: a run resumed at
         # iteration offset averages with the partners of the uninterrupted one.
@@ -64,6 +77,9 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         self.group_size = group_size
         self.activation = activation
         self.normalization = normalization
+        # Accepted for a uniform interface; a message round's own latency
+        # already gives a peer a moment behind the time to publish.
+        self.grace = float(grace)
         # Before anything is published the contribution is the initial model
         # (the creation buffer, which all ranks share), never uninitialised memory.
         self._published = np.array(self._template.host_array(), copy=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import InvalidArgumentError
-from .averaging import ADPSGD, LocalSGD, WagmaSGD, default_group_size
+from .averaging import WAGMA_GRACE, ADPSGD, LocalSGD, WagmaSGD, default_group_size
 from .base import GRADIENTS, MODEL, AveragingInfo, Method
 from .gossip import DPSGD, SGP, ring_neighbours, sgp_peers
 from .gradient import AllreduceSGD, EagerSGD
@@ -31,7 +31,8 @@ METHODS: tuple[str, ...] = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "m
 
 def make_method(name: str | Method, *, group_size: int | None = None, sync_every: int = 10,
                 activation: str = "global", normalization: str = "wagma",
-                round_start: str = "publish", seed: int = 0, mpi_comm: Any = None) -> Method:
+                round_start: str = "publish", grace: float = WAGMA_GRACE, seed: int = 0,
+                mpi_comm: Any = None) -> Method:
     """A method by name, with the knobs that apply to it (the others are ignored,
     so one set of options can drive every method). A :class:`Method` instance
     is returned as is. Knob errors are raised here, before any communication."""
@@ -49,7 +50,7 @@ def make_method(name: str | Method, *, group_size: int | None = None, sync_every
         return EagerSGD(name, sync_every, seed)
     if name == "wagma":
         return WagmaSGD(group_size, sync_every, activation=activation,
-                        normalization=normalization, round_start=round_start)
+                        normalization=normalization, round_start=round_start, grace=grace)
     if name == "ad_psgd":
         return ADPSGD()
     raise InvalidArgumentError("method", f"unknown method {name!r}; expected one of "

@@ -15,12 +15,14 @@ import numpy as np
 
 from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
-from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS
+from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS, check_grace
 from ...runtime.activation import is_sync_round
 from . import _resumable
 from .base import MODEL, AveragingInfo, Method, check_int
 
 ROUND_STARTS = ("gradient", "iteration", "publish")
+WAGMA_GRACE = 0.5
+"""WagmaSGD's default ``grace`` (docs/training.md, "The grace")."""
 
 
 def default_group_size(size: int) -> int:
@@ -90,7 +92,7 @@ class WagmaSGD(Method):
 
     def __init__(self, group_size: int | None = None, sync_every: int = 10, *,
                  activation: str = "global", normalization: str = "wagma",
-                 round_start: str = "publish") -> None:
+                 round_start: str = "publish", grace: float = WAGMA_GRACE) -> None:
         super().__init__()
         self.group_size = None if group_size is None else check_int("group_size", group_size, 1)
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -105,6 +107,8 @@ class WagmaSGD(Method):
                                        f"{list(ROUND_STARTS)}, got {round_start!r}")
         self.activation, self.normalization = activation, normalization
         self.round_start = round_start
+        check_grace(grace)
+        self.grace = grace
         self._colls: list[Any] = []
         self._handles: list[Any] = []
         self._buffers: list[np.ndarray] = []  # published, not yet stepped
@@ -122,7 +126,7 @@ class WagmaSGD(Method):
         self._colls = [_resumable.create(
             comm, "wagma", b.copy(), self.sync_every, self.first_iteration,
             group_size=self.group_size, activation=self.activation,
-            normalization=self.normalization) for b in buffers]
+            normalization=self.normalization, grace=self.grace) for b in buffers]
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
         # A sync round blocks for everyone anyway: arriving early costs nothing.
@@ -193,7 +197,8 @@ class ADPSGD(WagmaSGD):
     name = "ad_psgd"
 
     def __init__(self) -> None:
-        super().__init__(2, _resumable.NO_SYNC, activation="group", normalization="mean")
+        super().__init__(2, _resumable.NO_SYNC, activation="group", normalization="mean",
+                         grace=0.0)
 
     def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
         self.group_size = min(2, comm.size)
