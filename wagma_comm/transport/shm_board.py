@@ -33,7 +33,7 @@ import numpy as np
 from . import shm_lock
 from .shm import create_file
 
-HOLDER, PUBLISHED, RESULT, ACTIVATOR, ARRIVED = 0, 1, 2, 3, 4
+HOLDER, PUBLISHED, RESULT, ACTIVATOR = 0, 1, 2, 3
 _WORDS = 8
 
 
