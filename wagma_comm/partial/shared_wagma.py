@@ -24,7 +24,7 @@ unless said:
 * Nobody waits for a peer in a group round (the locks are held for the copy
   and the sum only), except for the opt-in ``grace``: the first member to
   arrive may wait a bounded time for members one round behind
-  (:meth:`SharedWaitAvoidingGroupAllreduce._await_one_behind`). Sync rounds, ``flush`` and ``close`` are the
+  (``_await_one_behind``). Sync rounds, ``flush`` and ``close`` are the
   communicator's blocking allreduces (shared memory or messages by size).
 * No progress thread, no tokens: ``activation`` makes no difference, and a
   ready publish is an ordinary publish (a round uses whatever is published

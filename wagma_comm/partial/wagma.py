@@ -40,6 +40,7 @@ wait longer for a peer than the peer's lateness could cost)."""
 
 
 def check_grace(grace: Any) -> None:
+    """``grace`` is a fraction of the caller's compute time (docs/partial.md)."""
     if (isinstance(grace, bool) or not isinstance(grace, (int, float))
             or not 0 <= grace <= GRACE_MAX):
         raise InvalidArgumentError(
