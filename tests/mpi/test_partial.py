@@ -576,12 +576,12 @@ def test_imbalance_benchmark_runs_every_method(tmp_path_factory: Any) -> None:
     args = argparse.Namespace(compute=0.001, imbalance=None, sync_every=2, group_size=0,
                               elements=64, periods=1, rounds=1,
                               methods=",".join(imbalance.METHODS), seed=0, json=path,
-                              delays=None, plot=None)
+                              delays=None, plot=None, grace=0.5)
     assert imbalance.run(args) == 0
     if RANK == 0:
         with open(path) as fh:
             out = json.load(fh)
-        assert set(out["rates"]) == set(imbalance.METHODS)
+        assert set(out["rates"]) == set(imbalance.METHODS) and out["grace"] == 0.5
         assert all(v > 0 for v in out["rates"].values())
         assert out["expected_blocking"] > 0 and out["expected_wait_avoiding"] > 0
         os.remove(path)

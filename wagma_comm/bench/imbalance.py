@@ -46,6 +46,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per method")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grace", type=float, default=0.0,
+                   help="WAGMA on one host: wait up to this fraction of the compute time for "
+                        "group members one round behind (default 0, the collective's own; "
+                        "docs/partial.md)")
     p.add_argument("--delays", default=None,
                    help="sweep: comma-separated reference-injector delays in seconds "
                         "(e.g. 0,0.025,0.05,0.1); one measurement per delay")
@@ -63,7 +67,8 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
 
     if method in ("wagma", "wagma_group_scope"):
         scope = "group" if method == "wagma_group_scope" else "global"
-        coll = comm.wait_avoiding_group_allreduce(model, group_size, tau, activation=scope)
+        coll = comm.wait_avoiding_group_allreduce(model, group_size, tau, activation=scope,
+                                                  grace=args.grace)
 
         def collective(t: int) -> None:
             coll.step(model)
@@ -184,7 +189,8 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     return {"ranks": P, "compute_s": args.compute, "injector": injector.spec,
             "delay_s": getattr(injector, "delay_s", None),
             "sync_every": args.sync_every, "group_size": args.group_size,
-            "elements": args.elements, "seed": args.seed, "steps": steps, "rounds": args.rounds,
+            "grace": args.grace, "elements": args.elements, "seed": args.seed,
+            "steps": steps, "rounds": args.rounds,
             "rates": rates, "expected": expected, "fresh_share": fresh,
             "wait_per_iteration_s": waits, "staleness_histogram": staleness,
             "expected_wait_avoiding": waitavoid, "expected_wait_avoiding_exact": exact,
@@ -197,7 +203,8 @@ def print_result(res: dict[str, Any]) -> None:
     base = rates.get("allreduce")
     print(f"# wagma imbalance: {res['ranks']} ranks, compute {res['compute_s'] * 1e3:g} ms, "
           f"injector {res['injector']}, sync_every {res['sync_every']}, group_size "
-          f"{res['group_size']}, {res['elements']} x float32, {res['steps']} steps x "
+          f"{res['group_size']}, grace {res['grace']:g}, {res['elements']} x float32, "
+          f"{res['steps']} steps x "
           f"{res['rounds']} rounds (median)")
     exact = res["expected_wait_avoiding_exact"]
     print(f"# expected it/s over these draws: wait-avoiding {res['expected_wait_avoiding']:.2f}"
