@@ -311,19 +311,18 @@ class SharedWaitAvoidingGroupAllreduce:
         meanwhile ends the wait. Holds no lock. Returns the seconds waited,
         None if it did not wait."""
         words, me = self._board.words, self.rank
-        if not self.grace or self._compute_s is None or words[me][RESULT] >= t:
+        peers = [words[m] for m in members if m != me]
+
+        def worth_waiting() -> bool:  # unlocked reads: hints only, the round re-reads
+            return words[me][RESULT] < t and any(w[PUBLISHED] == t - 1 for w in peers)
+
+        if not self.grace or self._compute_s is None or not worth_waiting():
             return None
-        behind = [m for m in members if m != me]
-        if all(words[m][PUBLISHED] != t - 1 for m in behind):
-            return None
-        start = time.monotonic()
+        start = now = time.monotonic()
         deadline = start + self.grace * self._compute_s
-        now = start
-        while now < deadline:
+        while now < deadline and worth_waiting():
             time.sleep(min(GRACE_POLL_S, deadline - now))
             now = time.monotonic()
-            if words[me][RESULT] >= t or all(words[m][PUBLISHED] != t - 1 for m in behind):
-                break
         return now - start
 
     def _run_round(self, t: int, members: tuple[int, ...]) -> None:
