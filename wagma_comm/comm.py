@@ -201,10 +201,11 @@ class Communicator:
 
     @property
     def shared_memory_bytes(self) -> int:
-        """The largest buffer (bytes per rank) a reduction may take through
-        the shared-memory segment on this communicator; 0 where it has none
-        (ranks on several hosts, not x86-64, ``WAGMA_SHM=0``, one rank)."""
-        return 0 if self._shared is None else self._shared.segment.slot_bytes
+        """The largest buffer (bytes per rank) that ``algorithm=None`` reduces
+        through the shared-memory segment on this communicator; 0 where it
+        has none (ranks on several hosts, not x86-64, ``WAGMA_SHM=0``, one
+        rank). ``algorithm="shared_memory"`` takes any size."""
+        return 0 if self._shared is None else self._shared.max_bytes
 
     @property
     def debug(self) -> bool:
@@ -625,7 +626,7 @@ class Communicator:
             algorithm, REDUCE_ALGORITHMS, lambda: self._choose_reduce(buffer.nbytes, ranks))
         if name == SHARED_MEMORY:
             if self.size > 1:
-                self._check_shared(buffer.nbytes)
+                self._check_shared()
                 call = SharedCall(collective, ranks, buffer.count, buffer.dtype, op,
                                   describe(collective, ranks, buffer.count, buffer.dtype, op,
                                            extra))
@@ -642,29 +643,26 @@ class Communicator:
         return sched, text
 
     def _choose_reduce(self, nbytes: int, ranks: tuple[int, ...]) -> str:
-        """The default algorithm: the shared-memory exchange for a buffer that
-        fits its rows (every rank on one host; not in debug mode, whose
-        fingerprints are message stages), else by size (schedule/algorithms.py).
+        """The default algorithm: the shared-memory exchange for a buffer up
+        to its limit (``shared_memory_bytes``; every rank on one host; not in
+        debug mode, whose fingerprints are message stages), else by size
+        (schedule/algorithms.py).
         Decided from what is the same on every rank of the communicator, not
         only of the group: the exchange numbers its calls communicator-wide,
         so a rank alone in its group takes part too (its exchange is a copy)."""
         shared = self._shared
         if (shared is not None and not self._debug
-                and nbytes <= shared.segment.slot_bytes):
+                and nbytes <= shared.max_bytes):
             return SHARED_MEMORY
         return algorithms.choose_allreduce(nbytes, len(ranks))
 
-    def _check_shared(self, nbytes: int) -> None:
+    def _check_shared(self) -> None:
         """Why ``algorithm="shared_memory"`` cannot run here, as a typed error."""
         shared = self._shared
         if shared is None:
             raise UnsupportedError(
                 "algorithm", f"{SHARED_MEMORY!r} is unavailable on this communicator: "
                 f"{self._transport.shared_unavailable}")
-        if nbytes > shared.segment.slot_bytes:
-            raise UnsupportedError(
-                "algorithm", f"{SHARED_MEMORY!r} takes at most {shared.segment.slot_bytes} "
-                f"bytes per rank on this communicator, got {nbytes}")
 
     def _submit_shared(self, call: SharedCall, data: np.ndarray, value: Any, timeout: float,
                        async_op: bool, on_done: Callable[[], None] | None) -> Any:
@@ -680,7 +678,8 @@ class Communicator:
             collective = call.collective
             self._calls[collective] = self._calls.get(collective, 0) + 1
             deadline = time.monotonic() + timeout
-            pending = shared.post(seq, call, data, deadline, timeout)  # type: ignore[union-attr]
+            pending = shared.post(  # type: ignore[union-attr]
+                seq, call, data, deadline, timeout, lazy=async_op)
             if async_op:
                 handle = Handle(collective, seq, deadline, self._engine.alive, pending.drive,
                                 pending.nudge)

@@ -1,8 +1,9 @@
-"""The shared-memory exchange for small reductions (runtime/shared.py): the
-default where every rank is on this host and the buffer fits a row. Results,
-groups, many non-blocking calls in flight, progress without a wait, a
-mismatched call, a missing rank, close(cancel=True) and the typed errors of
-an explicit ``algorithm="shared_memory"``."""
+"""The shared-memory exchange (runtime/shared.py): the default where every
+rank is on this host and the buffer is within ``shared_memory_bytes``.
+Results, buffers of many pieces (reduced whole or in shares), groups, many
+non-blocking calls in flight, progress without a wait, a mismatched call, a
+missing rank, close(cancel=True) and the typed errors of an explicit
+``algorithm="shared_memory"``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.dtypes import FLOAT32
+from wagma_comm.runtime.shared import SPLIT_MIN_BYTES, SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
 from conftest import message_path
@@ -59,6 +62,110 @@ def test_small_reductions_take_it_by_default_and_large_ones_do_not(
     assert _posted(shared) == before + 1
     shared.allreduce(small, algorithm="recursive_doubling")  # asked for: messages
     assert _posted(shared) == before + 1
+
+
+def _exact(parts: list[np.ndarray], op: str, dtype: np.dtype) -> np.ndarray:
+    """``op`` over ``parts`` in float64 (exact for the values used here)."""
+    wide = [p.astype(np.float64) for p in parts]
+    if op == "max":
+        return np.max(wide, axis=0).astype(dtype)
+    total = np.sum(wide, axis=0)
+    return (total / len(parts) if op == "avg" else total).astype(dtype)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_buffers_of_many_pieces_are_exact_and_alike_on_every_rank(
+        shared: wagma_comm.Communicator, op: str, dtype: type) -> None:
+    """Sizes around a row and a share boundary: one piece whole, one piece in
+    shares, several pieces with a short last one, more pieces than row sets."""
+    slot = shared._shared.segment.slot_bytes  # type: ignore[union-attr]
+    per_row = slot // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(RANK)
+    for count in (per_row // 4 + 3, per_row, per_row + 1, 3 * per_row - 7,
+                  (DEPTH + 2) * per_row + 5):
+        x = rng.integers(0, 1000, count).astype(dtype)
+        parts = WORLD.allgather(x)
+        shared.allreduce(x, op=op, algorithm=SHARED)
+        expected = _exact(parts, op, np.dtype(dtype))
+        if op == "avg" and np.dtype(dtype).kind == "i":
+            expected = (np.sum([p.astype(np.int64) for p in parts], axis=0) // SIZE).astype(dtype)
+        np.testing.assert_allclose(x, expected, rtol=1e-6)
+        _same_on_every_rank(x)
+
+
+def test_a_large_piece_is_reduced_in_shares(shared: wagma_comm.Communicator) -> None:
+    """What the share split is decided on is the call alone, and a buffer of
+    whole rows takes it (the `reduced` words move)."""
+    from wagma_comm.transport.shm import REDUCED
+    exchange = shared._shared
+    assert exchange is not None
+    count = exchange.segment.slot_bytes // 4
+    x = np.full(count, RANK + 1.0, np.float32)
+    call_index = exchange._next
+    shared.allreduce(x, algorithm=SHARED)
+    np.testing.assert_array_equal(x, np.full(count, SIZE * (SIZE + 1) / 2, np.float32))
+    call = SharedCall("allreduce", tuple(range(SIZE)), count, FLOAT32, "sum", "")
+    in_shares = splits(call, count)
+    assert in_shares == (SIZE * exchange.segment.slot_bytes >= SPLIT_MIN_BYTES)
+    if in_shares:
+        word = exchange.word(call_index % DEPTH, RANK, REDUCED)
+        assert exchange._words[word] == call_index + 1
+
+
+def test_large_nonblocking_calls_publish_lazily_and_finish_in_any_order(
+        shared: wagma_comm.Communicator) -> None:
+    """A non-blocking call of more pieces than row sets returns from its post
+    with pieces still queued; a blocking call after it, a wait in reverse
+    order and a test() loop all finish them, in order."""
+    exchange = shared._shared
+    assert exchange is not None
+    per_row = exchange.segment.slot_bytes // 8
+    count = (2 * DEPTH + 1) * per_row - 3
+    a = np.full(count, RANK + 1.0)
+    b = np.full(count, RANK + 3.0)
+    ha = shared.allreduce(a, async_op=True, algorithm=SHARED)
+    assert len(exchange._queue) > 0  # the rest waits for whoever progresses
+    hb = shared.allreduce(b, async_op=True, algorithm=SHARED)
+    between = np.full(per_row + 5, 2.0)
+    shared.allreduce(between, algorithm=SHARED)  # publishes both queues first
+    assert hb.wait() is b and ha.wait() is a
+    c = np.full(count, 1.0)
+    hc = shared.allreduce(c, async_op=True, algorithm=SHARED)
+    while not hc.test():
+        pass
+    total = SIZE * (SIZE + 1) / 2
+    np.testing.assert_array_equal(a, np.full(count, total))
+    np.testing.assert_array_equal(b, np.full(count, total + 2 * SIZE))
+    np.testing.assert_array_equal(between, np.full(per_row + 5, 2.0 * SIZE))
+    np.testing.assert_array_equal(c, np.full(count, float(SIZE)))
+    assert not exchange._queue and not exchange.in_flight()
+
+
+def test_a_large_nonblocking_call_finishes_without_any_call_into_the_library(
+        shared: wagma_comm.Communicator) -> None:
+    """The progress thread publishes the queued pieces too."""
+    per_row = shared._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+    x = np.full((DEPTH + 3) * per_row, RANK + 1.0)
+    handle = shared.allreduce(x, async_op=True, algorithm=SHARED)
+    deadline = time.monotonic() + 30.0
+    while not handle.done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handle.done
+    np.testing.assert_array_equal(x, np.full(x.size, SIZE * (SIZE + 1) / 2))
+
+
+def test_a_mismatch_in_piece_counts_breaks_the_communicator() -> None:
+    """Calls cut into different numbers of pieces would leave every later
+    call out of step: the mismatch is raised and the communicator broken."""
+    with _own_communicator(30, "a mismatch needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        count = 3 * per_row if RANK == 0 else per_row
+        with pytest.raises(wagma_comm.MismatchError) as info:
+            c.allreduce(np.ones(count), algorithm=SHARED, timeout=10.0)
+        assert info.value.collective == "allreduce"
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(2))
 
 
 @pytest.mark.parametrize("tdt", [torch.bfloat16, torch.float16, torch.float32])
@@ -210,11 +317,6 @@ def test_close_cancel_fails_an_exchange_nobody_joins() -> None:
 
 def test_explicit_algorithm_errors_are_local_and_typed(
         comm: wagma_comm.Communicator) -> None:
-    if comm.shared_memory_bytes:
-        slot = comm.shared_memory_bytes
-        with pytest.raises(wagma_comm.UnsupportedError, match="at most") as info:
-            comm.allreduce(np.ones(slot // 4 + 1, np.float32), algorithm=SHARED)
-        assert info.value.argument == "algorithm"
     if SIZE > 1:
         with message_path():
             c = wagma_comm.init(timeout=30)

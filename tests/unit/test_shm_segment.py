@@ -14,13 +14,16 @@ from wagma_comm.transport import shm
 
 
 def test_rows_shrink_where_many_ranks_share_a_host() -> None:
-    assert shm.slot_bytes_for(8) == shm.slot_bytes_for(64) == shm.SLOT_BYTES
-    for size in (8, 100, 1000, 5000):
+    assert shm.slot_bytes_for(2) == shm.slot_bytes_for(4) == shm.SLOT_BYTES
+    assert shm.slot_bytes_for(8) == 512 << 10 and shm.slot_bytes_for(64) == 64 << 10
+    previous = shm.SLOT_BYTES
+    for size in (1, 3, 5, 8, 100, 1000, 5000, 10**6):
         slot = shm.slot_bytes_for(size)
-        assert slot % 64 == 0 and slot >= 64
-        if slot > 64:  # the floor of one cache line aside, the segment stays bounded
-            assert shm.DEPTH * size * (shm.CONTROL_BYTES + slot) <= shm.SEGMENT_MAX_BYTES
-    assert shm.slot_bytes_for(1000) < shm.SLOT_BYTES
+        assert slot >= 64 and slot & (slot - 1) == 0  # a power of two: whole pieces
+        assert slot <= previous  # more ranks, never larger rows
+        previous = slot
+        if slot > 64:  # the floor of one cache line aside, the rows stay bounded
+            assert shm.DEPTH * size * slot <= shm.ROWS_MAX_BYTES
 
 
 @pytest.mark.skipif(shm.unavailable_reason() is not None, reason="no shared memory here")

@@ -1,23 +1,34 @@
-"""Small reductions through the shared-memory segment: one exchange per call.
+"""Reductions through the shared-memory segment: one exchange per piece.
 
-A call gets the next index ``k`` (in submission order, the same on every rank,
-as sequence numbers are) and uses row set ``s = k % DEPTH``
-(transport/shm.py). With ``M`` its members (all ranks, or this rank's group):
+A buffer is cut into pieces of at most one row (transport/shm.py). Each piece
+gets the next index ``k`` (in submission order, the same on every rank, as
+sequence numbers are) and uses row set ``s = k % DEPTH``. With ``M`` its
+members (all ranks, or this rank's group):
 
 1. *post* (under the submission lock, so indices start in order): first
-   finish this rank's own call ``k - DEPTH`` if nobody has (it used set ``s``
-   too), then wait until every member of that call has marked it done (read
+   finish this rank's own piece ``k - DEPTH`` if nobody has (it used set ``s``
+   too), then wait until every member of that piece has marked it done (read
    this rank's row), write the row, its description, and ``arrive = k + 1``;
-2. *complete*: wait until every member of ``M`` has ``arrive == k + 1``,
-   check that they all describe the same call, reduce their rows in member
-   order (the same bits on every member) into the caller's buffer, then mark
-   ``done = k + 1``.
+2. *complete*, for a small piece: wait until every member of ``M`` has
+   ``arrive == k + 1``, check that they all describe the same call, reduce
+   their rows in member order (the same bits on every member) into the
+   caller's buffer, then mark ``done = k + 1``;
+3. *complete*, for a piece whose rows add up to SPLIT_MIN_BYTES (a reduce-scatter and
+   an allgather through the rows): as 2., but each member reduces only its
+   own share of the piece (a range no other member reads in the rows), into
+   the caller's buffer and back into that range of its own row, and marks
+   ``reduced = k + 1``; then it copies each other member's share from that
+   member's row once its ``reduced`` says so, and marks ``done = k + 1``.
+   Each rank reduces 1/M of the piece instead of all of it.
 
 A row is never rewritten before every reader marked it done, so a
-row is never read torn. A blocking call completes on its own thread. A
+row is never read torn. Up to DEPTH pieces are in flight at once: the post of
+piece ``k`` finishes piece ``k - DEPTH``, so a call of many pieces pipelines.
+A blocking call completes on its own thread. A
 non-blocking one completes on the progress thread (the exchange is an engine
 service while such calls are in flight), or on whichever thread first waits
-for or tests its handle, posts call ``k + DEPTH``, or closes the communicator.
+for or tests its handle, posts call ``k + DEPTH``, or closes the communicator;
+its handle completes with its last piece, after all the others.
 Waits yield the core (ranks may outnumber cores) and end at the call's
 deadline with an error naming the ranks still missing.
 """
@@ -28,14 +39,17 @@ import os
 import threading
 import time
 import zlib
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..dtypes import DType
-from ..errors import CollectiveTimeoutError, MismatchError, RankFailedError, WagmaError
+from ..errors import (CollectiveTimeoutError, InvalidArgumentError, MismatchError,
+                      RankFailedError, WagmaError)
 from ..kernels import host as host_kernels
-from ..transport.shm import ARRIVE, DEPTH, DONE, PRINT, TEXT_BYTES, TEXT_OFFSET, Segment
+from ..transport.shm import (ARRIVE, DEPTH, DONE, PIECES, PRINT, REDUCED, TEXT_BYTES,
+                             TEXT_OFFSET, Segment)
 from .handle import Handle
 
 ALGORITHM = "shared_memory"
@@ -45,14 +59,48 @@ _NAP_MAX_S = 1e-3
 _CLOCK_EVERY = 64  # failed polls between two looks at the clock
 _LIVENESS_EVERY_S = 0.25  # while napping, how often dead members are looked for
 
+SPLIT_MIN_BYTES = 1 << 20
+"""A piece whose members' rows add up to at least this much is reduced in
+shares (step 3 above): reading every row would cost each rank more than the
+second wait does (docs/benchmarks.md, "Shared memory for every size")."""
+_SHARE_ALIGN = 64  # shares start on cache lines: no two members write one line
+
+DEFAULT_MAX_BYTES = 1 << 20
+OVERSUBSCRIBED_MAX_BYTES = 16 << 20
+"""The largest buffer ``algorithm=None`` sends through the segment: 1 MiB
+where every rank of the host can have a core, 16 MiB where ranks outnumber
+cores (each message round then waits for a peer to be scheduled, which the
+exchange's two waits per piece do not). Measured on 2 and 8 ranks of a 2-core
+machine: docs/benchmarks.md, "Shared memory for every size"."""
+MAX_BYTES_VARIABLE = "WAGMA_SHM_MAX_BYTES"
+
+
+def default_max_bytes(ranks_on_host: int) -> int:
+    """The default algorithm's limit for the segment (bytes per rank), from
+    what every rank of the host sees alike: its rank and CPU counts, or
+    WAGMA_SHM_MAX_BYTES (which must then be set alike on every rank)."""
+    override = os.environ.get(MAX_BYTES_VARIABLE, "").strip()
+    if override:
+        try:
+            value = int(override)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise InvalidArgumentError(MAX_BYTES_VARIABLE,
+                                       f"expected a number of bytes >= 0, got {override!r}")
+        return value
+    cores = os.cpu_count() or 1
+    return OVERSUBSCRIBED_MAX_BYTES if ranks_on_host > cores else DEFAULT_MAX_BYTES
+
 
 class SharedCall:
     """What one kind of call (collective, members, count, dtype, op) needs,
     worked out once: its description and checksum (a peer describing another
-    call is a MismatchError), and per row set a :class:`_Plan`."""
+    call is a MismatchError), its pieces, and per row set and piece length a
+    plan (:class:`_Plan` or :class:`_SplitPlan`)."""
 
     __slots__ = ("collective", "members", "count", "dtype", "op", "text", "print",
-                 "encoded", "flat", "nbytes", "plans")
+                 "encoded", "flat", "nbytes", "pieces", "plans")
 
     def __init__(self, collective: str, members: tuple[int, ...], count: int, dtype: DType,
                  op: str, text: str, flat: bool = False) -> None:
@@ -62,28 +110,79 @@ class SharedCall:
         self.encoded = text.encode()[:TEXT_BYTES - 1]
         self.print = zlib.crc32(text.encode())
         self.flat = flat  # for the small-call path: the array is its own flat storage view
-        self.plans: list[_Plan | None] = [None] * DEPTH
+        self.pieces: tuple[tuple[int, int], ...] | None = None  # (offset, length), at first post
+        self.plans: dict[tuple[int, int], _Plan] = {}
 
 
 class _Plan:
-    """One call kind in one row set: this rank's row (typed), the control
-    words it writes and polls, and the reduction over the members' rows."""
+    """One piece length of a call kind in one row set: this rank's row
+    (typed), the control words it writes and polls, and the reduction over
+    the members' rows (every member reduces all of them: step 2)."""
 
     __slots__ = ("row", "arrive", "done", "prints", "my_arrive", "my_done", "my_print",
                  "reduce")
 
-    def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int) -> None:
-        segment, rank, word = exchange.segment, exchange.rank, exchange.word
-        storage = call.dtype.storage
-        rows = [segment.rows[row_set, q, :call.nbytes].view(storage) for q in call.members]
-        self.row = segment.rows[row_set, rank, :call.nbytes].view(storage)
+    def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
+                 length: int) -> None:
+        rank, word = exchange.rank, exchange.word
+        self.row = exchange.row(row_set, rank, call.dtype, length)
         self.arrive = [word(row_set, q, ARRIVE) for q in call.members]
         self.done = [word(row_set, q, DONE) for q in call.members]
         self.prints = [word(row_set, q, PRINT) for q in call.members]
         self.my_arrive, self.my_done, self.my_print = (
             word(row_set, rank, ARRIVE), word(row_set, rank, DONE), word(row_set, rank, PRINT))
+        self.reduce = self._reducer(call, exchange, row_set, length)
+
+    def _reducer(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
+                 length: int) -> Callable[[np.ndarray], None]:
+        rows = [exchange.row(row_set, q, call.dtype, length) for q in call.members]
         divisor = len(rows) if call.op == "avg" else 1
-        self.reduce = host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+        return host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+
+
+class _SplitPlan(_Plan):
+    """As :class:`_Plan`, for a piece reduced in shares (step 3): member
+    ``i`` reduces elements ``bounds[i]:bounds[i + 1]``."""
+
+    __slots__ = ("bounds", "mine", "reduced", "my_reduced", "shares")
+
+    def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
+                 length: int) -> None:
+        self.bounds = split_bounds(length, len(call.members), call.dtype.itemsize)
+        self.mine = call.members.index(exchange.rank)
+        super().__init__(call, exchange, row_set, length)
+        word = exchange.word
+        self.reduced = [word(row_set, q, REDUCED) for q in call.members]
+        self.my_reduced = word(row_set, exchange.rank, REDUCED)
+        # (member, its reduced word, its share as this rank reads it, where it goes)
+        self.shares = [(q, self.reduced[i], exchange.row(row_set, q, call.dtype, length)[
+            self.bounds[i]:self.bounds[i + 1]], self.bounds[i], self.bounds[i + 1])
+            for i, q in enumerate(call.members) if i != self.mine]
+
+    def _reducer(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
+                 length: int) -> Callable[[np.ndarray], None]:
+        lo, hi = self.bounds[self.mine], self.bounds[self.mine + 1]
+        rows = [exchange.row(row_set, q, call.dtype, length)[lo:hi] for q in call.members]
+        divisor = len(rows) if call.op == "avg" else 1
+        return host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+
+
+def split_bounds(length: int, members: int, itemsize: int) -> list[int]:
+    """Where each member's share of ``length`` elements starts (and, last,
+    ``length``): as equal as whole cache lines allow, none empty when
+    ``length`` has a cache line per member."""
+    unit = max(1, _SHARE_ALIGN // itemsize)
+    units = -(-length // unit)
+    return [min(length, units * i // members * unit) for i in range(members)] + [length]
+
+
+def splits(call: SharedCall, length: int) -> bool:
+    """Whether a piece of ``length`` elements is reduced in shares: the same
+    answer on every member (it depends on the call alone)."""
+    members = len(call.members)
+    unit = max(1, _SHARE_ALIGN // call.dtype.itemsize)
+    return (members > 1 and length * call.dtype.itemsize * members >= SPLIT_MIN_BYTES
+            and length >= members * unit)
 
 
 class SharedExchange:
@@ -92,6 +191,7 @@ class SharedExchange:
     def __init__(self, segment: Segment, rank: int, on_failure: Callable[[WagmaError], None],
                  engine: Any) -> None:
         self.segment, self.rank, self.size = segment, rank, segment.size
+        self.max_bytes = default_max_bytes(self.size)  # what algorithm=None sends here
         self._engine = engine  # runtime.engine.Engine: progress for non-blocking calls
         self._watch = engine.watch  # the watchdog threshold and line, dead peers
         self._async: list[Pending] = []  # non-blocking calls not finished
@@ -103,42 +203,118 @@ class SharedExchange:
         # index into this memoryview.
         self._words = memoryview(segment.flags.reshape(-1))
         self._stride = segment.flags.shape[2]  # words per control block
-        self._next = 0  # index of the next call posted here
+        self._next = 0  # index of the next piece posted here
+        self._calls = 0  # calls posted here
+        self._post_lock = threading.Lock()  # publishing: indices, rows, _last, _queue
+        self._queue: deque[Pending] = deque()  # reserved pieces not yet published, in order
         self._last: list[Pending | None] = [None] * DEPTH  # last call of each row set
         self._texts: list[bytes] = [b""] * DEPTH  # description last written per set
 
     @property
     def posted(self) -> int:
-        """Calls posted on this rank."""
-        return self._next
+        """Calls posted on this rank (a call of several pieces counts once)."""
+        return self._calls
 
     def word(self, row_set: int, rank: int, which: int) -> int:
         return ((row_set * self.size + rank) * self._stride) + which
 
+    def row(self, row_set: int, rank: int, dtype: DType, length: int) -> np.ndarray:
+        """The first ``length`` elements of ``rank``'s row in ``row_set``."""
+        return self.segment.rows[row_set, rank, :length * dtype.itemsize].view(dtype.storage)
+
     def post(self, seq: int, call: SharedCall, data: np.ndarray, deadline: float,
-             timeout: float) -> "Pending":
-        """Publish this rank's ``data`` for call ``seq`` (under the
-        communicator's submission lock). May wait, until ``deadline``, for
-        the members of this rank's call ``DEPTH`` earlier to have read its row."""
+             timeout: float, lazy: bool = False) -> "Pending":
+        """Publish this rank's ``data`` (flat) for call ``seq``, piece by
+        piece (under the communicator's submission lock); returns the last
+        piece, which finishes after the others. Each piece may wait, until
+        ``deadline``, for the members of this rank's piece DEPTH earlier to
+        have read its row, finishing that piece first if nobody has.
+        ``lazy`` (a non-blocking call): publish only the first DEPTH pieces
+        now; the others wait in a queue for whoever finishes a piece (the
+        progress thread, a waiter, the next post), so the post never waits for
+        its own pieces."""
+        pieces = call.pieces
+        if pieces is None:
+            per = max(1, self.segment.slot_bytes // call.dtype.itemsize)
+            pieces = call.pieces = tuple(
+                (offset, min(per, call.count - offset))
+                for offset in range(0, call.count, per)) or ((0, 0),)
+        with self._post_lock:
+            self._publish_queued(None)  # indices are published in order
+            self._calls += 1
+            if len(pieces) == 1:
+                pending = self._reserve(seq, call, data, pieces[0][1], deadline, timeout)
+                self._publish(pending, None)
+                return pending
+            last = len(pieces) - 1
+            reserved = [self._reserve(seq, call, data[offset:offset + length], length, deadline,
+                                      timeout, counted=i == last)
+                        for i, (offset, length) in enumerate(pieces)]
+            reserved[last].earlier = reserved[:last]
+            for i, pending in enumerate(reserved):
+                if lazy and i >= DEPTH:
+                    self._queue.extend(reserved[i:])
+                    break
+                self._publish(pending, None)
+            return reserved[last]
+
+    def _reserve(self, seq: int, call: SharedCall, data: np.ndarray, length: int,
+                 deadline: float, timeout: float, counted: bool = True) -> "Pending":
+        """The next index and its plan, for a piece to publish in turn."""
         k = self._next
         self._next = k + 1
         row_set = k % DEPTH
-        plan = call.plans[row_set]
+        plan = call.plans.get((row_set, length))
         if plan is None:
-            plan = call.plans[row_set] = _Plan(call, self, row_set)
+            kind = _SplitPlan if splits(call, length) else _Plan
+            plan = call.plans[(row_set, length)] = kind(call, self, row_set, length)
+        pending = (SplitPending if type(plan) is _SplitPlan else Pending)(
+            self, k, seq, call, plan, data, deadline, timeout)
+        pending.counted = counted
+        return pending
+
+    def publish_through(self, pending: "Pending", until: float, wait_turn: bool) -> bool:
+        """Publish the queued pieces up to ``pending`` (False at ``until``, or
+        at once if another thread is publishing and not ``wait_turn``)."""
+        if not self._post_lock.acquire(wait_turn):
+            return False
+        try:
+            return self._publish_queued(pending, until, wait_turn)
+        finally:
+            self._post_lock.release()
+
+    def _publish_queued(self, through: "Pending | None", until: float | None = None,
+                        wait_turn: bool = True) -> bool:
+        """Publish queued pieces in order, all or up to ``through``
+        (``_post_lock`` held); False at ``until``."""
+        queue = self._queue
+        while queue and not (through is not None and through.published):
+            if not self._publish(queue[0], until, wait_turn):
+                return False
+            queue.popleft()
+        return True
+
+    def _publish(self, pending: "Pending", until: float | None, wait_turn: bool = True) -> bool:
+        """Step 1 for one reserved piece; False at ``until`` if the members
+        of the piece DEPTH earlier have not all read this rank's row (or, not
+        ``wait_turn``, another thread is finishing that piece)."""
+        call, plan, k, seq = pending.call, pending.plan, pending.k, pending.seq
+        row_set = k % DEPTH
         previous = self._last[row_set]
         if previous is not None:
-            if not previous.finished:
-                previous.complete(previous.deadline, raise_error=False)
+            if not previous.finished and not previous.complete(
+                    previous.deadline if until is None else until, False, wait_turn):
+                return False
             try:
-                self.wait(previous.plan.done, previous.call.members, previous.k + 1, deadline,
-                          call.collective, seq,
-                          f"they had not yet read this rank's part of round {previous.seq} "
-                          "(shared-memory exchange)")
+                if not self.wait(previous.plan.done, previous.call.members, previous.k + 1,
+                                 pending.deadline, call.collective, seq,
+                                 f"they had not yet read this rank's part of round "
+                                 f"{previous.seq} (shared-memory exchange)", until):
+                    return False
             except (CollectiveTimeoutError, RankFailedError) as exc:
                 self._on_failure(exc)  # this call never arrives: the others' time out too
                 raise
-        np.copyto(plan.row, data)
+        np.copyto(plan.row, pending.data)
         words = self._words
         if self._texts[row_set] is not call.encoded:
             text = self.segment.control[row_set, self.rank, TEXT_OFFSET:]
@@ -146,15 +322,17 @@ class SharedExchange:
             text[:len(call.encoded)] = np.frombuffer(call.encoded, np.uint8)
             self._texts[row_set] = call.encoded
         words[plan.my_print] = call.print
+        words[self.word(row_set, self.rank, PIECES)] = len(call.pieces or ())
         # Last: x86-64 makes every store above visible before this one.
         words[plan.my_arrive] = k + 1
-        pending = Pending(self, k, seq, call, plan, data, deadline, timeout)
+        pending.published = True
         self._last[row_set] = pending
-        return pending
+        return True
 
     def track(self, pending: "Pending") -> None:
         """Have the progress thread finish the non-blocking ``pending``."""
         with self._async_lock:
+            self._async.extend(pending.earlier)
             self._async.append(pending)
             if not self._serviced:
                 try:
@@ -193,7 +371,9 @@ class SharedExchange:
             self._serviced = False
 
     def in_flight(self) -> list["Pending"]:
-        return [p for p in self._last if p is not None and not p.finished]
+        """Pieces not finished: published ones, then the queue in order."""
+        return ([p for p in self._last if p is not None and not p.finished]
+                + [p for p in list(self._queue) if not p.finished])
 
     def drain(self, error: WagmaError | None, until: float | None = None) -> int:
         """At close: finish every call in flight, each within its deadline (or
@@ -274,11 +454,13 @@ class SharedExchange:
 
 
 class Pending:
-    """One posted call until this rank has read every member's row.
-    ``handle``/``value``/``on_done``: set for a non-blocking call."""
+    """One posted piece until this rank has read every member's row (and the
+    pieces before it in ``earlier``, for the last piece of a call).
+    ``handle``/``value``/``on_done``: set on a non-blocking call's last piece."""
 
     __slots__ = ("exchange", "k", "seq", "call", "plan", "data", "deadline", "timeout",
-                 "finished", "error", "handle", "value", "on_done", "warned", "_lock")
+                 "finished", "error", "handle", "value", "on_done", "warned", "earlier",
+                 "counted", "published", "_lock")
 
     def __init__(self, exchange: SharedExchange, k: int, seq: int, call: SharedCall,
                  plan: _Plan, data: np.ndarray, deadline: float, timeout: float) -> None:
@@ -292,6 +474,9 @@ class Pending:
         self.handle: Handle | None = None
         self.value: Any = None
         self.on_done: Callable[[], None] | None = None
+        self.earlier: Sequence[Pending] = ()  # the call's other pieces (its last piece only)
+        self.counted = True  # counts as a call in statistics (a call's last piece)
+        self.published = False  # its row and arrive word are written (step 1)
         self._lock = threading.Lock()  # one completer: a waiter, a later post, close
 
     def complete(self, until: float, raise_error: bool = True, wait_turn: bool = True) -> bool:
@@ -303,9 +488,11 @@ class Pending:
         try:
             if not self.finished:
                 try:
-                    if not self._arrived(until):
+                    if not (self._earlier_finished(until, wait_turn)
+                            and (self.published
+                                 or self.exchange.publish_through(self, until, wait_turn))
+                            and self._run(until)):
                         return False
-                    self._reduce()
                     if self.on_done is not None:
                         self.on_done()
                 except WagmaError as exc:
@@ -333,6 +520,23 @@ class Pending:
             self._finish()
             return True
 
+    def _earlier_finished(self, until: float, wait_turn: bool) -> bool:
+        """Finish the call's other pieces (in order) first; their error is
+        the call's."""
+        for piece in self.earlier:
+            if not piece.finished and not piece.complete(until, False, wait_turn):
+                return False
+            if piece.error is not None:
+                raise piece.error
+        return True
+
+    def _run(self, until: float) -> bool:
+        """Step 2: every row arrived (False at ``until``), reduce them all."""
+        if not self._arrived(until):
+            return False
+        self._reduce()
+        return True
+
     def _arrived(self, until: float) -> bool:
         call = self.call
         return self.exchange.wait(self.plan.arrive, call.members, self.k + 1, self.deadline,
@@ -341,6 +545,11 @@ class Pending:
                                   self)
 
     def _reduce(self) -> None:
+        self._check_prints()
+        self.plan.reduce(self.data)
+
+    def _check_prints(self) -> None:
+        """Every member describes the same call (else MismatchError)."""
         exchange, call, plan = self.exchange, self.call, self.plan
         words, mine = exchange._words, call.print
         for i in plan.prints:
@@ -349,8 +558,13 @@ class Pending:
                 details = {q: bytes(control[row_set, q, TEXT_OFFSET:]).rstrip(b"\0").decode(
                     errors="replace") for q, i in zip(call.members, plan.prints)
                     if words[i] != mine}
-                raise MismatchError(call.collective, self.seq, details, call.text)
-        plan.reduce(self.data)
+                error = MismatchError(call.collective, self.seq, details, call.text)
+                pieces = len(call.pieces or ())
+                if any(words[exchange.word(row_set, q, PIECES)] != pieces for q in details):
+                    # Calls of other piece counts leave the indices out of
+                    # step on every later call: the communicator is broken.
+                    exchange._on_failure(error)
+                raise error
 
     def _finish(self) -> None:
         """Mark the rows read (after every read above: x86-64 keeps a store
@@ -358,10 +572,11 @@ class Pending:
         exchange = self.exchange
         exchange._words[self.plan.my_done] = self.k + 1
         self.finished = True
-        if self.error is None:
-            exchange.completed += 1
-        else:
-            exchange.failed += 1
+        if self.counted:  # a call's last piece
+            if self.error is None:
+                exchange.completed += 1
+            else:
+                exchange.failed += 1
         self.data = None
         handle = self.handle
         if handle is not None:
@@ -382,6 +597,42 @@ class Pending:
             os.sched_yield()
 
 
+class SplitPending(Pending):
+    """A piece reduced in shares (step 3): reduce this rank's share once every
+    row arrived, then gather the others' shares as they are reduced."""
+
+    __slots__ = ("shared", "gathered")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.shared = False  # this rank's share is reduced and published
+        self.gathered = 0  # other members' shares copied so far
+
+    def _run(self, until: float) -> bool:
+        exchange, plan, data = self.exchange, self.plan, self.data
+        words, want = exchange._words, self.k + 1
+        if not self.shared:
+            if not self._arrived(until):
+                return False
+            self._check_prints()
+            lo, hi = plan.bounds[plan.mine], plan.bounds[plan.mine + 1]
+            plan.reduce(data[lo:hi])
+            np.copyto(plan.row[lo:hi], data[lo:hi])  # no other member reads it before this
+            # After the share's stores (x86-64 keeps their order).
+            words[plan.my_reduced] = want
+            self.shared = True
+        call = self.call
+        while self.gathered < len(plan.shares):
+            member, word, share, lo, hi = plan.shares[self.gathered]
+            if words[word] < want and not exchange.wait(
+                    (word,), (member,), want, self.deadline, call.collective, self.seq,
+                    "its share was not reduced (shared-memory exchange)", until, self):
+                return False
+            np.copyto(data[lo:hi], share)
+            self.gathered += 1
+        return True
+
+
 def describe(collective: str, members: Sequence[int], count: int, dtype: DType, op: str,
              extra: str) -> str:
     """The description a call is checked against its members' with."""
@@ -389,4 +640,5 @@ def describe(collective: str, members: Sequence[int], count: int, dtype: DType, 
             f"algorithm={ALGORITHM},members={list(members)})")
 
 
-__all__ = ["ALGORITHM", "SharedCall", "SharedExchange", "Pending", "describe"]
+__all__ = ["ALGORITHM", "SPLIT_MIN_BYTES", "default_max_bytes", "SharedCall", "SharedExchange", "Pending",
+           "SplitPending", "describe", "split_bounds", "splits"]

@@ -18,7 +18,8 @@ unlinks, at a process's exit, segments that process only attached to.
 Layout, for ``depth`` row sets (a call with index ``k`` uses set ``k % depth``)
 and ``P`` ranks::
 
-    control[depth, P]  CONTROL_BYTES each: arrive, done, print (int64), then text
+    control[depth, P]  CONTROL_BYTES each: arrive, done, print, reduced, pieces
+                       (int64 words), then text
     rows[depth, P]     slot_bytes each: a rank's contribution
 
 Only x86-64 is supported: its stores are seen in program order (TSO), so a
@@ -35,22 +36,23 @@ import platform
 
 import numpy as np
 
-SLOT_BYTES = 64 << 10
-"""Largest contribution of one rank (bytes): a bigger buffer takes the
-message path. Smaller where many ranks share a host (:func:`slot_bytes_for`)."""
+SLOT_BYTES = 1 << 20
+"""Largest row: a rank's part of one piece of a reduction (bytes). A larger
+buffer is exchanged in pieces of a row; rows are smaller where more ranks
+share the host (:func:`slot_bytes_for`)."""
 
 DEPTH = 4
-"""Row sets: a rank may be this many calls ahead of a peer before it waits
-for the peer to have read its row (non-blocking calls in flight)."""
+"""Row sets: pieces in flight at once. A rank may be this many pieces ahead
+of a peer before it waits for the peer to have read its row."""
 
 CONTROL_BYTES = 256  # per rank and row set: four cache lines
-SEGMENT_MAX_BYTES = DEPTH * 64 * (CONTROL_BYTES + SLOT_BYTES)
-"""Full rows for up to 64 ranks on a host (16.8 MB); beyond, rows shrink so
-that a communicator's segment stays this size (/dev/shm is often small,
-64 MiB in a default Docker container)."""
+ROWS_MAX_BYTES = 16 << 20
+"""All rows of a segment together stay within this (16 MiB: a segment of 8
+ranks has rows of 512 KiB, of 64 ranks 64 KiB); /dev/shm is often small, 64
+MiB in a default Docker container."""
 TEXT_OFFSET = 64  # the call's description, for a mismatch error, starts here
 TEXT_BYTES = CONTROL_BYTES - TEXT_OFFSET
-ARRIVE, DONE, PRINT = 0, 1, 2  # int64 words of a control block
+ARRIVE, DONE, PRINT, REDUCED, PIECES = 0, 1, 2, 3, 4  # int64 words of a control block
 _DIR = "/dev/shm"
 
 
@@ -67,10 +69,10 @@ def unavailable_reason() -> str | None:
 
 
 def slot_bytes_for(size: int) -> int:
-    """Row size for ``size`` ranks: SLOT_BYTES, less where the segment would
-    pass SEGMENT_MAX_BYTES (a multiple of 64 bytes, at least 64)."""
-    fits = SEGMENT_MAX_BYTES // (DEPTH * size) - CONTROL_BYTES
-    return max(64, min(SLOT_BYTES, fits // 64 * 64))
+    """Row size for ``size`` ranks: the largest power of two up to SLOT_BYTES
+    that keeps the rows within ROWS_MAX_BYTES (at least 64)."""
+    fits = min(SLOT_BYTES, ROWS_MAX_BYTES // (DEPTH * size))
+    return max(64, 1 << (fits.bit_length() - 1)) if fits >= 1 else 64
 
 
 def segment_path(nonce: str) -> str:
@@ -146,4 +148,4 @@ class Segment:
 
 
 __all__ = ["Segment", "create_file", "unavailable_reason", "slot_bytes_for", "SLOT_BYTES", "DEPTH",
-           "ARRIVE", "DONE", "PRINT", "TEXT_OFFSET", "TEXT_BYTES"]
+           "ARRIVE", "DONE", "PRINT", "REDUCED", "PIECES", "TEXT_OFFSET", "TEXT_BYTES"]
