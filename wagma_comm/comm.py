@@ -158,7 +158,7 @@ class Communicator:
         self._liveness = liveness
         self._engine = Engine(transport, liveness=liveness)
         segment = transport.shared_segment
-        # Small reductions through shared memory (runtime/shared.py): only
+        # Reductions through shared memory (runtime/shared.py): only
         # where the transport mapped a segment on every rank.
         self._shared = (SharedExchange(segment, transport.rank, self._break, self._engine)
                         if segment is not None else None)
