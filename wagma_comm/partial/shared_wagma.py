@@ -148,10 +148,10 @@ class SharedWaitAvoidingGroupAllreduce:
         self._results = [b.view(storage) for b in board.result]
         self._reducers: dict[tuple[int, ...], Callable[[np.ndarray], None]] = {}
         self._everyone = tuple(range(self.size))
-        nbytes = self.count * self.dtype.itemsize
-        # Sync rounds must give every rank the same bits: never native.
-        self._sync_algorithm = (SHARED_MEMORY if nbytes <= comm.shared_memory_bytes
-                                else algorithms.choose_allreduce(nbytes, self.size))
+        # Sync rounds must give every rank the same bits: the default
+        # algorithm's choice (never native).
+        self._sync_algorithm = comm._choose_reduce(self.count * self.dtype.itemsize,
+                                                   self._everyone)
         self.telemetry = Telemetry(self.size)
         self._app_round = 0
         self._completed = -1

@@ -116,55 +116,46 @@ class SharedCall:
 
 class _Plan:
     """One piece length of a call kind in one row set: this rank's row
-    (typed), the control words it writes and polls, and the reduction over
-    the members' rows (every member reduces all of them: step 2)."""
+    (typed), the control words it writes and polls, and the reduction of
+    ``share`` (here every element: step 2) over the members' rows."""
 
     __slots__ = ("row", "arrive", "done", "prints", "my_arrive", "my_done", "my_print",
-                 "reduce")
+                 "my_pieces", "share", "reduce")
 
     def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
-                 length: int) -> None:
+                 length: int, share: slice = slice(None)) -> None:
         rank, word = exchange.rank, exchange.word
         self.row = exchange.row(row_set, rank, call.dtype, length)
         self.arrive = [word(row_set, q, ARRIVE) for q in call.members]
         self.done = [word(row_set, q, DONE) for q in call.members]
         self.prints = [word(row_set, q, PRINT) for q in call.members]
-        self.my_arrive, self.my_done, self.my_print = (
-            word(row_set, rank, ARRIVE), word(row_set, rank, DONE), word(row_set, rank, PRINT))
-        self.reduce = self._reducer(call, exchange, row_set, length)
-
-    def _reducer(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
-                 length: int) -> Callable[[np.ndarray], None]:
-        rows = [exchange.row(row_set, q, call.dtype, length) for q in call.members]
+        self.my_arrive, self.my_done, self.my_print, self.my_pieces = (
+            word(row_set, rank, ARRIVE), word(row_set, rank, DONE), word(row_set, rank, PRINT),
+            word(row_set, rank, PIECES))
+        self.share = share
+        rows = [exchange.row(row_set, q, call.dtype, length)[share] for q in call.members]
         divisor = len(rows) if call.op == "avg" else 1
-        return host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+        self.reduce = host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
 
 
 class _SplitPlan(_Plan):
     """As :class:`_Plan`, for a piece reduced in shares (step 3): member
-    ``i`` reduces elements ``bounds[i]:bounds[i + 1]``."""
+    ``i`` reduces elements ``bounds[i]:bounds[i + 1]``, this rank ``share``."""
 
-    __slots__ = ("bounds", "mine", "reduced", "my_reduced", "shares")
+    __slots__ = ("reduced", "my_reduced", "shares")
 
     def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
                  length: int) -> None:
-        self.bounds = split_bounds(length, len(call.members), call.dtype.itemsize)
-        self.mine = call.members.index(exchange.rank)
-        super().__init__(call, exchange, row_set, length)
+        bounds = split_bounds(length, len(call.members), call.dtype.itemsize)
+        mine = call.members.index(exchange.rank)
+        super().__init__(call, exchange, row_set, length, slice(bounds[mine], bounds[mine + 1]))
         word = exchange.word
         self.reduced = [word(row_set, q, REDUCED) for q in call.members]
         self.my_reduced = word(row_set, exchange.rank, REDUCED)
         # (member, its reduced word, its share as this rank reads it, where it goes)
         self.shares = [(q, self.reduced[i], exchange.row(row_set, q, call.dtype, length)[
-            self.bounds[i]:self.bounds[i + 1]], self.bounds[i], self.bounds[i + 1])
-            for i, q in enumerate(call.members) if i != self.mine]
-
-    def _reducer(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
-                 length: int) -> Callable[[np.ndarray], None]:
-        lo, hi = self.bounds[self.mine], self.bounds[self.mine + 1]
-        rows = [exchange.row(row_set, q, call.dtype, length)[lo:hi] for q in call.members]
-        divisor = len(rows) if call.op == "avg" else 1
-        return host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+            bounds[i]:bounds[i + 1]], slice(bounds[i], bounds[i + 1]))
+            for i, q in enumerate(call.members) if i != mine]
 
 
 def split_bounds(length: int, members: int, itemsize: int) -> list[int]:
@@ -322,7 +313,7 @@ class SharedExchange:
             text[:len(call.encoded)] = np.frombuffer(call.encoded, np.uint8)
             self._texts[row_set] = call.encoded
         words[plan.my_print] = call.print
-        words[self.word(row_set, self.rank, PIECES)] = len(call.pieces or ())
+        words[plan.my_pieces] = len(call.pieces or ())
         # Last: x86-64 makes every store above visible before this one.
         words[plan.my_arrive] = k + 1
         pending.published = True
@@ -615,20 +606,20 @@ class SplitPending(Pending):
             if not self._arrived(until):
                 return False
             self._check_prints()
-            lo, hi = plan.bounds[plan.mine], plan.bounds[plan.mine + 1]
-            plan.reduce(data[lo:hi])
-            np.copyto(plan.row[lo:hi], data[lo:hi])  # no other member reads it before this
+            share = plan.share
+            plan.reduce(data[share])
+            np.copyto(plan.row[share], data[share])  # no other member reads it before this
             # After the share's stores (x86-64 keeps their order).
             words[plan.my_reduced] = want
             self.shared = True
         call = self.call
         while self.gathered < len(plan.shares):
-            member, word, share, lo, hi = plan.shares[self.gathered]
+            member, word, share, where = plan.shares[self.gathered]
             if words[word] < want and not exchange.wait(
                     (word,), (member,), want, self.deadline, call.collective, self.seq,
                     "its share was not reduced (shared-memory exchange)", until, self):
                 return False
-            np.copyto(data[lo:hi], share)
+            np.copyto(data[where], share)
             self.gathered += 1
         return True
 

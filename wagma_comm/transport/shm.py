@@ -71,8 +71,8 @@ def unavailable_reason() -> str | None:
 def slot_bytes_for(size: int) -> int:
     """Row size for ``size`` ranks: the largest power of two up to SLOT_BYTES
     that keeps the rows within ROWS_MAX_BYTES (at least 64)."""
-    fits = min(SLOT_BYTES, ROWS_MAX_BYTES // (DEPTH * size))
-    return max(64, 1 << (fits.bit_length() - 1)) if fits >= 1 else 64
+    fits = max(64, min(SLOT_BYTES, ROWS_MAX_BYTES // (DEPTH * size)))
+    return 1 << (fits.bit_length() - 1)
 
 
 def segment_path(nonce: str) -> str:
