@@ -19,7 +19,8 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm.dtypes import FLOAT32
-from wagma_comm.runtime.shared import SPLIT_MIN_BYTES, SharedCall, splits
+from wagma_comm.runtime import engine as engine_module
+from wagma_comm.runtime.shared import EAGER_BYTES, SPLIT_MIN_BYTES, SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
 from conftest import message_path
@@ -153,6 +154,44 @@ def test_a_large_nonblocking_call_finishes_without_any_call_into_the_library(
         time.sleep(0.05)
     assert handle.done
     np.testing.assert_array_equal(x, np.full(x.size, SIZE * (SIZE + 1) / 2))
+
+
+def test_a_nonblocking_post_copies_only_small_pieces(shared: wagma_comm.Communicator) -> None:
+    """A post publishes (copies into its row) a piece within EAGER_BYTES;
+    a larger one is left to the progress thread, which is kept from its
+    turn here (the engine's driver lock held) to see the queue."""
+    exchange, engine = shared._shared, shared._engine
+    assert exchange is not None
+    small = np.full(EAGER_BYTES // 8, RANK + 1.0)
+    large = np.full(EAGER_BYTES // 8 + 1, RANK + 1.0)
+    with engine._driver:
+        hs = shared.allreduce(small, async_op=True, algorithm=SHARED)
+        assert not exchange._queue
+        hl = shared.allreduce(large, async_op=True, algorithm=SHARED)
+        assert len(exchange._queue) == 1 and not exchange._queue[0].published
+    assert hl.wait() is large and hs.wait() is small
+    total = SIZE * (SIZE + 1) / 2
+    np.testing.assert_array_equal(small, np.full(small.size, total))
+    np.testing.assert_array_equal(large, np.full(large.size, total))
+
+
+def test_a_queued_piece_wakes_a_progress_thread_napping_long(
+        shared: wagma_comm.Communicator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a waiter finishes a call, the still-registered exchange is not
+    busy, so the progress thread may nap its calm nap (made 60 s here). The
+    next non-blocking call, with a piece only the progress thread publishes,
+    must wake it: each is done well before that nap ends."""
+    monkeypatch.setattr(engine_module, "_CALM_SLEEP_S", 60.0)
+    x = np.full(EAGER_BYTES // 8 + 1, RANK + 1.0)
+    for _ in range(3):
+        shared.allreduce(x, async_op=True, algorithm=SHARED).wait()
+        handle = shared.allreduce(x, async_op=True, algorithm=SHARED)
+        deadline = time.monotonic() + 20.0
+        while not handle.done and time.monotonic() < deadline:
+            time.sleep(0.005)  # no test(), no wait()
+        assert handle.done, "the progress thread was not woken for a queued piece"
+        handle.wait()
+        WORLD.Barrier()
 
 
 def test_a_mismatch_in_piece_counts_breaks_the_communicator() -> None:

@@ -65,6 +65,12 @@ shares (step 3 above): reading every row would cost each rank more than the
 second wait does (docs/benchmarks.md, "Shared memory for every size")."""
 _SHARE_ALIGN = 64  # shares start on cache lines: no two members write one line
 
+EAGER_BYTES = 64 << 10
+"""A non-blocking post copies at most this much into its rows on the caller's
+thread; later pieces are published by the progress thread (or a waiter), so
+the post returns before the copy the compute could hide (a 1 MiB copy is
+about 70 us here: docs/benchmarks.md, "Non-blocking posts")."""
+
 DEFAULT_MAX_BYTES = 1 << 20
 OVERSUBSCRIBED_MAX_BYTES = 16 << 20
 """The largest buffer ``algorithm=None`` sends through the segment: 1 MiB
@@ -220,10 +226,10 @@ class SharedExchange:
         piece, which finishes after the others. Each piece may wait, until
         ``deadline``, for the members of this rank's piece DEPTH earlier to
         have read its row, finishing that piece first if nobody has.
-        ``lazy`` (a non-blocking call): publish only the first DEPTH pieces
-        now; the others wait in a queue for whoever finishes a piece (the
-        progress thread, a waiter, the next post), so the post never waits for
-        its own pieces."""
+        ``lazy`` (a non-blocking call): publish now only the first pieces
+        within EAGER_BYTES (and DEPTH); the others wait in a queue for the
+        progress thread, a waiter or the next post, so the post neither waits
+        for its own pieces nor makes a long copy."""
         pieces = call.pieces
         if pieces is None:
             per = max(1, self.segment.slot_bytes // call.dtype.itemsize)
@@ -235,15 +241,19 @@ class SharedExchange:
             self._calls += 1
             if len(pieces) == 1:
                 pending = self._reserve(seq, call, data, pieces[0][1], deadline, timeout)
-                self._publish(pending, None)
+                if lazy and call.nbytes > EAGER_BYTES:
+                    self._queue.append(pending)
+                else:
+                    self._publish(pending, None)
                 return pending
             last = len(pieces) - 1
             reserved = [self._reserve(seq, call, data[offset:offset + length], length, deadline,
                                       timeout, counted=i == last)
                         for i, (offset, length) in enumerate(pieces)]
             reserved[last].earlier = reserved[:last]
-            for i, pending in enumerate(reserved):
-                if lazy and i >= DEPTH:
+            itemsize = call.dtype.itemsize
+            for i, (pending, (offset, length)) in enumerate(zip(reserved, pieces)):
+                if lazy and (i >= DEPTH or (offset + length) * itemsize > EAGER_BYTES):
                     self._queue.extend(reserved[i:])
                     break
                 self._publish(pending, None)
@@ -264,9 +274,10 @@ class SharedExchange:
         pending.counted = counted
         return pending
 
-    def publish_through(self, pending: "Pending", until: float, wait_turn: bool) -> bool:
-        """Publish the queued pieces up to ``pending`` (False at ``until``, or
-        at once if another thread is publishing and not ``wait_turn``)."""
+    def publish_through(self, pending: "Pending | None", until: float, wait_turn: bool) -> bool:
+        """Publish the queued pieces up to ``pending`` (None: all of them);
+        False at ``until``, or at once if another thread is publishing and
+        not ``wait_turn``."""
         if not self._post_lock.acquire(wait_turn):
             return False
         try:
@@ -321,22 +332,34 @@ class SharedExchange:
         return True
 
     def track(self, pending: "Pending") -> None:
-        """Have the progress thread finish the non-blocking ``pending``."""
+        """Have the progress thread finish the non-blocking ``pending``.
+        Still registered from an earlier call, the service may have the
+        thread napping long (nothing was busy): a call with pieces left to
+        publish wakes it, since the peers wait for them. A published one
+        does not (its caller usually waits soon and reduces it then; waking
+        a thread costs more than a small call, docs/benchmarks.md)."""
         with self._async_lock:
             self._async.extend(pending.earlier)
             self._async.append(pending)
-            if not self._serviced:
+            registered = self._serviced
+            if not registered:
                 try:
-                    self._engine.add_service(self)
+                    self._engine.add_service(self)  # wakes the thread
                     self._serviced = True
                 except WagmaError:
                     pass  # closed or broken: its handle (or close) finishes it
+        if registered and not pending.published:
+            self._engine.wake()
 
     # -- Service (runtime/engine.py), on the progress thread --------------------
     def progress(self) -> bool:
         """Finish every tracked call whose rows all arrived; leave the engine
         once none is left (an idle service would keep its thread turning)."""
         progressed = False
+        if self._queue:  # publish what can be, so the peers need not wait for a waiter
+            queued = len(self._queue)
+            self.publish_through(None, 0.0, False)
+            progressed = len(self._queue) < queued
         tracked = self._async
         for pending in tracked:
             progressed |= pending.try_complete()
@@ -631,5 +654,5 @@ def describe(collective: str, members: Sequence[int], count: int, dtype: DType, 
             f"algorithm={ALGORITHM},members={list(members)})")
 
 
-__all__ = ["ALGORITHM", "SPLIT_MIN_BYTES", "default_max_bytes", "SharedCall", "SharedExchange", "Pending",
+__all__ = ["ALGORITHM", "EAGER_BYTES", "SPLIT_MIN_BYTES", "default_max_bytes", "SharedCall", "SharedExchange", "Pending",
            "SplitPending", "describe", "split_bounds", "splits"]
