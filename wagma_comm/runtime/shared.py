@@ -28,7 +28,9 @@ A blocking call completes on its own thread. A
 non-blocking one completes on the progress thread (the exchange is an engine
 service while such calls are in flight), or on whichever thread first waits
 for or tests its handle, posts call ``k + DEPTH``, or closes the communicator;
-its handle completes with its last piece, after all the others.
+its handle completes with its last piece, after all the others. Its post
+copies only the pieces within EAGER_BYTES; the progress thread (woken for
+them), a waiter or the next post publishes the rest.
 Waits yield the core (ranks may outnumber cores) and end at the call's
 deadline with an error naming the ranks still missing.
 """
