@@ -166,6 +166,12 @@ class _SplitPlan(_Plan):
             for i, q in enumerate(call.members) if i != mine]
 
 
+def _copied_at_post(index: int, end_bytes: int) -> bool:
+    """Whether a non-blocking post publishes its piece ``index`` (ending
+    ``end_bytes`` into the buffer) itself rather than queue it."""
+    return index < DEPTH and end_bytes <= EAGER_BYTES
+
+
 def split_bounds(length: int, members: int, itemsize: int) -> list[int]:
     """Where each member's share of ``length`` elements starts (and, last,
     ``length``): as equal as whole cache lines allow, none empty when
@@ -243,7 +249,7 @@ class SharedExchange:
             self._calls += 1
             if len(pieces) == 1:
                 pending = self._reserve(seq, call, data, pieces[0][1], deadline, timeout)
-                if lazy and call.nbytes > EAGER_BYTES:
+                if lazy and not _copied_at_post(0, call.nbytes):
                     self._queue.append(pending)
                 else:
                     self._publish(pending, None)
@@ -255,7 +261,7 @@ class SharedExchange:
             reserved[last].earlier = reserved[:last]
             itemsize = call.dtype.itemsize
             for i, (pending, (offset, length)) in enumerate(zip(reserved, pieces)):
-                if lazy and (i >= DEPTH or (offset + length) * itemsize > EAGER_BYTES):
+                if lazy and not _copied_at_post(i, (offset + length) * itemsize):
                     self._queue.extend(reserved[i:])
                     break
                 self._publish(pending, None)
