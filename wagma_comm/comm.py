@@ -45,6 +45,9 @@ else is in flight (runtime/inline.py): small messages cost their Python."""
 REDUCE_ALGORITHMS = algorithms.ALLREDUCE_ALGORITHMS + (SHARED_MEMORY,)
 """What ``algorithm=`` of allreduce and group_allreduce on host memory takes."""
 
+BROADCAST_ALGORITHMS = algorithms.BROADCAST_ALGORITHMS + (SHARED_MEMORY,)
+"""What ``algorithm=`` of broadcast on host memory takes."""
+
 _PREPARED_LIMIT = 1024  # distinct reduction calls remembered per communicator
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -167,7 +170,7 @@ class Communicator:
         self._lock = threading.Lock()  # sequence numbers and submission order
         self._seq = 0
         self._native_groups: set[tuple[int, ...]] = set()
-        self._prepared: dict[tuple[Any, ...], tuple[Schedule, str]] = {}
+        self._prepared: dict[tuple[Any, ...], tuple[Schedule | SharedCall, str]] = {}
         self._natives: dict[int, tuple[Schedule, tuple[tuple[int, ...], ...]]] = {}
         self._fast: dict[tuple[Any, ...], _FastCall] = {}
         self._all_ranks = tuple(range(self.size))
@@ -299,7 +302,10 @@ class Communicator:
 
     def broadcast(self, buf: Any, root: int = 0, *, async_op: bool = False,
                   algorithm: str | None = None, timeout: float | None = None) -> Any:
-        """Copy ``root``'s ``buf`` to every rank, in place."""
+        """Copy ``root``'s ``buf`` to every rank, in place. Through the
+        shared-memory segment (the default up to ``shared_memory_bytes``),
+        the root's call finishes once its data is published, without waiting
+        for the others (as an eager send); they copy it from there."""
         self._check_open()
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
             raise InvalidArgumentError("root", f"must be an int in [0, {self.size}), got {root!r}")
@@ -308,12 +314,27 @@ class Communicator:
             return self._gpu_collective("broadcast", buf, device, "broadcast",
                                         tuple(range(self.size)), "", algorithm, root, None,
                                         timeout, async_op)
+        fast_key = None
+        if type(buf) is np.ndarray and timeout is None:
+            # The small-message path, as allreduce's (the shared-memory exchange's calls).
+            fast_key = ("broadcast", buf.dtype, buf.shape, root, algorithm)
+            result = self._try_small(fast_key, buf, async_op)
+            if result is not NOT_INLINE:
+                return result
         buffer = as_buffer(buf, "buf")
         deadline_s = self._call_timeout(timeout)
-        ranks = tuple(range(self.size))
+        ranks = self._all_ranks
         name = self._check_algorithm(
-            algorithm, algorithms.BROADCAST_ALGORITHMS,
-            lambda: algorithms.choose_broadcast(buffer.nbytes, len(ranks)))
+            algorithm, BROADCAST_ALGORITHMS,
+            lambda: self._choose_broadcast(buffer.nbytes, ranks))
+        if name == SHARED_MEMORY:
+            if self.size > 1:
+                call = self._shared_broadcast(buffer, root)
+                if fast_key is not None:
+                    self._remember_shared(fast_key, buf, call, buffer)
+                return self._submit_shared(call, buffer.host_array(), buffer.owner, deadline_s,
+                                           async_op, None)
+            name = "binomial"  # one rank: nothing to exchange either way
         sched = algorithms.compile_broadcast(self.rank, ranks, buffer.count, root, name)
         text = (f"broadcast(count={buffer.count},dtype={buffer.dtype.name},root={root},"
                 f"algorithm={name})")
@@ -591,7 +612,7 @@ class Communicator:
         SharedCall per key (``flat`` depends on the array's shape)."""
         flat = buf.ndim == 1 and buf.dtype == buffer.dtype.storage
         mine = SharedCall(call.collective, call.members, call.count, call.dtype, call.op,
-                          call.text, flat)
+                          call.text, flat, call.root)
         with self._lock:
             if len(self._fast) >= _PREPARED_LIMIT:
                 self._fast.clear()
@@ -655,6 +676,30 @@ class Communicator:
                 and nbytes <= shared.max_bytes):
             return SHARED_MEMORY
         return algorithms.choose_allreduce(nbytes, len(ranks))
+
+    def _choose_broadcast(self, nbytes: int, ranks: tuple[int, ...]) -> str:
+        """The default broadcast algorithm: as :meth:`_choose_reduce`, the
+        shared-memory exchange up to its limit, else by size."""
+        shared = self._shared
+        if shared is not None and not self._debug and nbytes <= shared.max_bytes:
+            return SHARED_MEMORY
+        return algorithms.choose_broadcast(nbytes, len(ranks))
+
+    def _shared_broadcast(self, buffer: Buffer, root: int) -> SharedCall:
+        """The shared-memory exchange's call for a broadcast like this one,
+        made once (its plans hold the row views a repeated call reuses)."""
+        self._check_shared()
+        key = ("broadcast", root, buffer.count, buffer.dtype.name)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            ranks = self._all_ranks
+            call = SharedCall("broadcast", ranks, buffer.count, buffer.dtype, "",
+                              describe("broadcast", ranks, buffer.count, buffer.dtype, "",
+                                       f",root={root}"), root=root)
+            if len(self._prepared) >= _PREPARED_LIMIT:
+                self._prepared.clear()
+            prepared = self._prepared[key] = (call, call.text)
+        return prepared[0]  # type: ignore[return-value]
 
     def _check_shared(self) -> None:
         """Why ``algorithm="shared_memory"`` cannot run here, as a typed error."""
@@ -871,7 +916,7 @@ class Communicator:
         known = (algorithms.ALLREDUCE_ALGORITHMS if kind == "allreduce"
                  else algorithms.BROADCAST_ALGORITHMS)
         if algorithm == SHARED_MEMORY:
-            raise UnsupportedError("algorithm", f"{SHARED_MEMORY!r} reduces host memory; "
+            raise UnsupportedError("algorithm", f"{SHARED_MEMORY!r} is for host memory; "
                                    f"buf is on cuda:{device}")
         name = self._check_algorithm(algorithm, known, lambda: "native")
         if name != "native" or len(ranks) == self.size:

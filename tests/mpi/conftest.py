@@ -74,6 +74,38 @@ def _in_step(comm: wagma_comm.Communicator) -> Iterator[None]:
     yield
 
 
+@pytest.fixture
+def shared(comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
+    """``comm``, where it has the segment (every rank on one host, x86-64)."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip("one rank has nothing to exchange (no segment is made)")
+    if comm._shared is None:
+        pytest.skip("no shared-memory segment on this machine")
+    return comm
+
+
+def posted(comm: wagma_comm.Communicator) -> int:
+    """Calls this rank posted to the shared-memory exchange so far."""
+    return int(comm.statistics()["shared_memory_calls"])
+
+
+@contextlib.contextmanager
+def own_communicator(timeout: float, why: str) -> Iterator[wagma_comm.Communicator]:
+    """A communicator of the test's own (it will be broken or closed early),
+    closed on every rank after a barrier; skipped (``why``) on one rank, or
+    where it has no segment."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        pytest.skip(why)
+    c = wagma_comm.init(timeout=timeout)
+    try:
+        if c._shared is None:
+            pytest.skip("no shared-memory segment on this machine")
+        yield c
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        c.close()
+
+
 def step_into_a_missing_sync_round(w: object, slow: int) -> None:
     """Ranks other than ``slow`` (which never steps): two group rounds go
     ahead without it, and the sync round (round 2 of ``sync_every=3``) fails

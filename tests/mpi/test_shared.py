@@ -7,10 +7,8 @@ missing rank, close(cancel=True) and the typed errors of an explicit
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -23,25 +21,11 @@ from wagma_comm.runtime import engine as engine_module
 from wagma_comm.runtime.shared import EAGER_BYTES, SPLIT_MIN_BYTES, SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
-from conftest import message_path
+from conftest import message_path, own_communicator, posted
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 SHARED = "shared_memory"
-
-
-@pytest.fixture
-def shared(comm: wagma_comm.Communicator) -> wagma_comm.Communicator:
-    """``comm``, where it has the segment (every rank on one host, x86-64)."""
-    if SIZE == 1:
-        pytest.skip("one rank has nothing to exchange (no segment is made)")
-    if comm._shared is None:
-        pytest.skip("no shared-memory segment on this machine")
-    return comm
-
-
-def _posted(comm: wagma_comm.Communicator) -> int:
-    return int(comm.statistics()["shared_memory_calls"])
 
 
 def _same_on_every_rank(arr: np.ndarray) -> None:
@@ -52,17 +36,17 @@ def _same_on_every_rank(arr: np.ndarray) -> None:
 def test_small_reductions_take_it_by_default_and_large_ones_do_not(
         shared: wagma_comm.Communicator) -> None:
     slot = shared.shared_memory_bytes
-    before = _posted(shared)
+    before = posted(shared)
     small = np.full(slot // 8, RANK + 1.0)  # exactly one row
     shared.allreduce(small)
     np.testing.assert_array_equal(small, np.full(slot // 8, SIZE * (SIZE + 1) / 2))
-    assert _posted(shared) == before + 1
+    assert posted(shared) == before + 1
     large = np.full(slot // 8 + 1, RANK + 1.0)  # one element more: the message path
     shared.allreduce(large)
     np.testing.assert_array_equal(large, np.full(slot // 8 + 1, SIZE * (SIZE + 1) / 2))
-    assert _posted(shared) == before + 1
+    assert posted(shared) == before + 1
     shared.allreduce(small, algorithm="recursive_doubling")  # asked for: messages
-    assert _posted(shared) == before + 1
+    assert posted(shared) == before + 1
 
 
 def _exact(parts: list[np.ndarray], op: str, dtype: np.dtype) -> np.ndarray:
@@ -197,7 +181,7 @@ def test_a_queued_piece_wakes_a_progress_thread_napping_long(
 def test_a_mismatch_in_piece_counts_breaks_the_communicator() -> None:
     """Calls cut into different numbers of pieces would leave every later
     call out of step: the mismatch is raised and the communicator broken."""
-    with _own_communicator(30, "a mismatch needs two ranks") as c:
+    with own_communicator(30, "a mismatch needs two ranks") as c:
         per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
         count = 3 * per_row if RANK == 0 else per_row
         with pytest.raises(wagma_comm.MismatchError) as info:
@@ -232,14 +216,14 @@ def test_group_allreduce_over_shifting_groups(shared: wagma_comm.Communicator,
                                               group_size: int) -> None:
     if group_size > SIZE:
         pytest.skip("group larger than the communicator")
-    before = _posted(shared)
+    before = posted(shared)
     for step in range(4):
         x = np.full(6, float(RANK * RANK + step))
         shared.group_allreduce(x, group_size, step)
         members = shared.group_of(group_size, step)
         expected = np.mean([r * r + step for r in members])
         np.testing.assert_allclose(x, np.full(6, expected), rtol=1e-15)
-    assert _posted(shared) == before + 4
+    assert posted(shared) == before + 4
 
 
 def test_many_nonblocking_calls_in_flight_finish_in_any_wait_order(
@@ -310,24 +294,8 @@ def test_nan_with_max_raises_on_every_rank_after_the_exchange(
     assert np.isnan(x[1]) and x[0] == 1.0
 
 
-@contextlib.contextmanager
-def _own_communicator(timeout: float, why: str) -> Iterator[wagma_comm.Communicator]:
-    """A communicator of the test's own (it will be broken or closed early),
-    closed on every rank after a barrier; skipped where it has no segment."""
-    if SIZE == 1:
-        pytest.skip(why)
-    c = wagma_comm.init(timeout=timeout)
-    try:
-        if c._shared is None:
-            pytest.skip("no shared-memory segment on this machine")
-        yield c
-    finally:
-        WORLD.Barrier()
-        c.close()
-
-
 def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
-    with _own_communicator(30, "a missing rank needs two ranks") as c:
+    with own_communicator(30, "a missing rank needs two ranks") as c:
         late = SIZE - 1
         if RANK != late:
             start = time.monotonic()
@@ -342,7 +310,7 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
 
 
 def test_close_cancel_fails_an_exchange_nobody_joins() -> None:
-    with _own_communicator(60, "a call nobody joins needs two ranks") as c:
+    with own_communicator(60, "a call nobody joins needs two ranks") as c:
         if RANK == 0:
             handle = c.allreduce(np.ones(8), async_op=True)
             time.sleep(0.05)

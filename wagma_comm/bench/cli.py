@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--algorithm", default=None, help="force a wagma algorithm")
     p.add_argument("--algorithms", default=None,
                    help="comma-separated wagma algorithms to time side by side "
-                        "(allreduce only), e.g. recursive_doubling,rabenseifner,ring")
+                        "(allreduce and broadcast), e.g. recursive_doubling,rabenseifner,ring")
     p.add_argument("--vs", default="mpi",
                    help="peers, comma-separated: mpi, mpi-nb, gloo, nccl, or none")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -151,10 +151,10 @@ def _impls(coll: str, ctx: Context, buf: np.ndarray
     arr = buf.view(ctx.dtype.numpy)
     impls: dict[str, Callable[[], object]] = {}
     closers: list[Callable[[], None]] = []
+    algs = args.algorithms.split(",") if args.algorithms else [args.algorithm]
+    named = [(f"wagma:{alg}" if args.algorithms else "wagma", alg) for alg in algs]
     if coll == "allreduce":
-        algs = args.algorithms.split(",") if args.algorithms else [args.algorithm]
-        for alg in algs:
-            name = f"wagma:{alg}" if args.algorithms else "wagma"
+        for name, alg in named:
             impls[name] = lambda a=alg: comm.allreduce(arr, args.op, algorithm=a)
         impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, args.op)))
     elif coll == "group_allreduce":
@@ -164,7 +164,8 @@ def _impls(coll: str, ctx: Context, buf: np.ndarray
             arr, args.op, ctx.group, ctx.partition)))
         impls["wagma-global"] = lambda: comm.allreduce(arr, args.op, algorithm=args.algorithm)
     elif coll == "broadcast":
-        impls["wagma"] = lambda: comm.broadcast(arr, args.root, algorithm=args.algorithm)
+        for name, alg in named:
+            impls[name] = lambda a=alg: comm.broadcast(arr, args.root, algorithm=a)
         impls.update(_peer_calls(ctx, lambda p: p.broadcast(arr, args.root)))
     elif coll in ("wait_avoiding", "solo", "majority"):
         op = effective_op(coll, args.op)

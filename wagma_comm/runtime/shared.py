@@ -21,6 +21,14 @@ members (all ranks, or this rank's group):
    member's row once its ``reduced`` says so, and marks ``done = k + 1``.
    Each rank reduces 1/M of the piece instead of all of it.
 
+A broadcast takes steps 1 and 2 with these differences: only its root
+writes its row; every other member waits for the root's ``arrive`` alone,
+checks the root's description alone, and copies the root's row where a
+reduction would reduce every row; the root waits for nobody (its call
+finishes at its post, as an eager send does), so it finds no mismatch
+itself. The root's row is still not rewritten before every member marked
+it done.
+
 A row is never rewritten before every reader marked it done, so a
 row is never read torn. Up to DEPTH pieces are in flight at once: the post of
 piece ``k`` finishes piece ``k - DEPTH``, so a call of many pieces pipelines.
@@ -108,12 +116,13 @@ class SharedCall:
     plan (:class:`_Plan` or :class:`_SplitPlan`)."""
 
     __slots__ = ("collective", "members", "count", "dtype", "op", "text", "print",
-                 "encoded", "flat", "nbytes", "pieces", "plans")
+                 "encoded", "flat", "nbytes", "pieces", "plans", "root")
 
     def __init__(self, collective: str, members: tuple[int, ...], count: int, dtype: DType,
-                 op: str, text: str, flat: bool = False) -> None:
+                 op: str, text: str, flat: bool = False, root: int | None = None) -> None:
         self.collective, self.members, self.count = collective, members, count
         self.dtype, self.op, self.text = dtype, op, text
+        self.root = root  # a broadcast's root (its row is every member's result); else None
         self.nbytes = count * dtype.itemsize
         self.encoded = text.encode()[:TEXT_BYTES - 1]
         self.print = zlib.crc32(text.encode())
@@ -125,25 +134,46 @@ class SharedCall:
 class _Plan:
     """One piece length of a call kind in one row set: this rank's row
     (typed), the control words it writes and polls, and the reduction of
-    ``share`` (here every element: step 2) over the members' rows."""
+    ``share`` (here every element: step 2) over the rows of ``sources`` (the
+    members). A broadcast's sources are its root alone (none on the root
+    itself), its reduction a copy of the root's row (nothing on the root),
+    and only the root writes its row."""
 
-    __slots__ = ("row", "arrive", "done", "prints", "my_arrive", "my_done", "my_print",
-                 "my_pieces", "share", "reduce")
+    __slots__ = ("row", "sources", "arrive", "done", "prints", "my_arrive", "my_done",
+                 "my_print", "my_pieces", "share", "reduce", "writes_row")
 
     def __init__(self, call: SharedCall, exchange: "SharedExchange", row_set: int,
                  length: int, share: slice = slice(None)) -> None:
-        rank, word = exchange.rank, exchange.word
+        rank, word, root = exchange.rank, exchange.word, call.root
         self.row = exchange.row(row_set, rank, call.dtype, length)
-        self.arrive = [word(row_set, q, ARRIVE) for q in call.members]
-        self.done = [word(row_set, q, DONE) for q in call.members]
-        self.prints = [word(row_set, q, PRINT) for q in call.members]
+        self.sources = (call.members if root is None
+                        else () if root == rank else (root,))
+        self.arrive = [word(row_set, q, ARRIVE) for q in self.sources]
+        self.prints = [word(row_set, q, PRINT) for q in self.sources]
+        self.done = [word(row_set, q, DONE) for q in call.members]  # who reads this row
         self.my_arrive, self.my_done, self.my_print, self.my_pieces = (
             word(row_set, rank, ARRIVE), word(row_set, rank, DONE), word(row_set, rank, PRINT),
             word(row_set, rank, PIECES))
         self.share = share
+        self.writes_row = root is None or root == rank
+        if root is not None:
+            self.reduce = (_keep if root == rank
+                           else _copier(exchange.row(row_set, root, call.dtype, length)))
+            return
         rows = [exchange.row(row_set, q, call.dtype, length)[share] for q in call.members]
         divisor = len(rows) if call.op == "avg" else 1
         self.reduce = host_kernels.rows_reducer(call.op, call.dtype, rows, divisor)
+
+
+def _keep(data: np.ndarray) -> None:
+    """A broadcast's root: its buffer is the result already."""
+
+
+def _copier(source: np.ndarray) -> Callable[[np.ndarray], None]:
+    """A broadcast's other members: the result is the root's row."""
+    def copy(data: np.ndarray) -> None:
+        np.copyto(data, source)
+    return copy
 
 
 class _SplitPlan(_Plan):
@@ -186,7 +216,7 @@ def splits(call: SharedCall, length: int) -> bool:
     answer on every member (it depends on the call alone)."""
     members = len(call.members)
     unit = max(1, _SHARE_ALIGN // call.dtype.itemsize)
-    return (members > 1 and length * call.dtype.itemsize * members >= SPLIT_MIN_BYTES
+    return (call.root is None and members > 1 and length * call.dtype.itemsize * members >= SPLIT_MIN_BYTES
             and length >= members * unit)
 
 
@@ -324,7 +354,8 @@ class SharedExchange:
             except (CollectiveTimeoutError, RankFailedError) as exc:
                 self._on_failure(exc)  # this call never arrives: the others' time out too
                 raise
-        np.copyto(plan.row, pending.data)
+        if plan.writes_row:
+            np.copyto(plan.row, pending.data)
         words = self._words
         if self._texts[row_set] is not call.encoded:
             text = self.segment.control[row_set, self.rank, TEXT_OFFSET:]
@@ -561,7 +592,8 @@ class Pending:
 
     def _arrived(self, until: float) -> bool:
         call = self.call
-        return self.exchange.wait(self.plan.arrive, call.members, self.k + 1, self.deadline,
+        call, plan = self.call, self.plan
+        return self.exchange.wait(plan.arrive, plan.sources, self.k + 1, self.deadline,
                                   call.collective, self.seq,
                                   "their part did not arrive (shared-memory exchange)", until,
                                   self)
@@ -578,7 +610,7 @@ class Pending:
             if words[i] != mine:
                 control, row_set = exchange.segment.control, self.k % DEPTH
                 details = {q: bytes(control[row_set, q, TEXT_OFFSET:]).rstrip(b"\0").decode(
-                    errors="replace") for q, i in zip(call.members, plan.prints)
+                    errors="replace") for q, i in zip(plan.sources, plan.prints)
                     if words[i] != mine}
                 error = MismatchError(call.collective, self.seq, details, call.text)
                 pieces = len(call.pieces or ())
@@ -657,8 +689,10 @@ class SplitPending(Pending):
 
 def describe(collective: str, members: Sequence[int], count: int, dtype: DType, op: str,
              extra: str) -> str:
-    """The description a call is checked against its members' with."""
-    return (f"{collective}(count={count},dtype={dtype.name},op={op}{extra},"
+    """The description a call is checked against its members' with (``op``
+    empty: a broadcast, whose ``extra`` names the root)."""
+    op_text = f",op={op}" if op else ""
+    return (f"{collective}(count={count},dtype={dtype.name}{op_text}{extra},"
             f"algorithm={ALGORITHM},members={list(members)})")
 
 
