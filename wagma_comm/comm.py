@@ -303,7 +303,7 @@ class Communicator:
     def broadcast(self, buf: Any, root: int = 0, *, async_op: bool = False,
                   algorithm: str | None = None, timeout: float | None = None) -> Any:
         """Copy ``root``'s ``buf`` to every rank, in place. Through the
-        shared-memory segment (the default up to ``shared_memory_bytes``),
+        shared-memory segment (the default where there is one, any size),
         the root's call finishes once its data is published, without waiting
         for the others (as an eager send); they copy it from there."""
         self._check_open()
@@ -678,10 +678,12 @@ class Communicator:
         return algorithms.choose_allreduce(nbytes, len(ranks))
 
     def _choose_broadcast(self, nbytes: int, ranks: tuple[int, ...]) -> str:
-        """The default broadcast algorithm: as :meth:`_choose_reduce`, the
-        shared-memory exchange up to its limit, else by size."""
-        shared = self._shared
-        if shared is not None and not self._debug and nbytes <= shared.max_bytes:
+        """The default broadcast algorithm: the shared-memory exchange where
+        the communicator has it (not in debug mode), at any size: unlike a
+        reduction it has no rank's work to share out, and it beat the message
+        path at every size measured (docs/benchmarks.md, "Broadcast through
+        shared memory"); else by size."""
+        if self._shared is not None and not self._debug:
             return SHARED_MEMORY
         return algorithms.choose_broadcast(nbytes, len(ranks))
 

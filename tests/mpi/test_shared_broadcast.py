@@ -1,5 +1,5 @@
 """Broadcast through the shared-memory exchange (runtime/shared.py): the
-default up to ``shared_memory_bytes``; every root, dtypes, buffers of many
+default at any size where the communicator has the segment; every root, dtypes, buffers of many
 pieces, non-blocking calls in flight, a root that does not wait for its
 readers, a mismatch, a missing root and a missing reader."""
 
@@ -37,21 +37,23 @@ def salt() -> int:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.uint8])
-def test_small_broadcasts_take_it_by_default_from_every_root(
+def test_broadcasts_take_it_by_default_from_every_root(
         shared: wagma_comm.Communicator, dtype: type, salt: int) -> None:
     limit = shared.shared_memory_bytes
     itemsize = np.dtype(dtype).itemsize
     for root in range(SIZE):
-        for count in (1, 7, 1001, limit // itemsize):
+        for count in (1, 7, 1001, max(1, limit // itemsize)):
             before = posted(shared)
             arr = _fresh(RANK, count, dtype, salt)  # each rank its own data
             assert shared.broadcast(arr, root=root) is arr
             np.testing.assert_array_equal(arr, _fresh(root, count, dtype, salt))
             assert posted(shared) == before + 1
     before = posted(shared)
-    large = _fresh(RANK, limit // itemsize + 1, dtype, salt)  # one more: messages
+    large = _fresh(RANK, limit // itemsize + 1, dtype, salt)  # beyond reductions' limit
     shared.broadcast(large, root=SIZE - 1)
     np.testing.assert_array_equal(large, _fresh(SIZE - 1, large.size, dtype, salt))
+    assert posted(shared) == before + 1
+    before = posted(shared)
     small = _fresh(RANK, 8, dtype, salt)
     shared.broadcast(small, algorithm="binomial")  # asked for: messages
     np.testing.assert_array_equal(small, _fresh(0, 8, dtype, salt))
