@@ -68,6 +68,21 @@ def test_sweep_json_schema_and_no_wrong_results(shared_dir: str, collective: str
     assert len(lines) == 1 + sum(len(r["results"]) for r in rows)
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "broadcast"])
+def test_algorithms_are_timed_side_by_side(shared_dir: str, collective: str) -> None:
+    path = os.path.join(shared_dir, f"{collective}-algorithms.json")
+    algs = (["shared_memory", "recursive_doubling"] if collective == "allreduce"
+            else ["shared_memory", "binomial", "scatter_allgather"])
+    assert _bench([collective, "-b", "64", "-e", "4K", "-f", "64", "-n", "3", "-r", "1",
+                   "--algorithms", ",".join(algs), "--vs", "none", "--json", path]) == 0
+    if RANK == 0:
+        rows = _load(path)["rows"]
+        assert [r["nbytes"] for r in rows] == [64, 4096]
+        for row in rows:
+            assert set(row["results"]) == {f"wagma:{a}" for a in algs}
+            assert all(res["wrong"] == 0 for res in row["results"].values())
+
+
 @pytest.mark.parametrize("collective", ["wait_avoiding", "solo", "majority"])
 def test_partial_collectives_are_timed_per_step(shared_dir: str, collective: str) -> None:
     path = os.path.join(shared_dir, f"{collective}.json")
