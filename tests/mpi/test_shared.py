@@ -309,6 +309,40 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
                 c.allreduce(np.ones(2))  # a timeout breaks it, as for messages
 
 
+def test_nonblocking_calls_whose_peer_never_comes_fail_at_their_deadline_unwaited(
+        ) -> None:
+    """The progress thread fails them at the deadline: ``done`` turns True
+    without a wait or a test, for a published call and for one whose
+    pieces wait in the queue (more pieces than row sets)."""
+    with own_communicator(30, "a missing rank needs two ranks") as c:
+        late = SIZE - 1
+        if RANK != late:
+            row = c._shared.segment.slot_bytes  # type: ignore[union-attr]
+            small = c.allreduce(np.ones(4), async_op=True, timeout=1.0)
+            large = c.allreduce(np.ones((DEPTH + 2) * row // 8), async_op=True,
+                                timeout=1.0, algorithm=SHARED)
+            start = time.monotonic()
+            while not (small.done and large.done) and time.monotonic() - start < 20:
+                time.sleep(0.02)
+            assert small.done and large.done, "still running long after the deadline"
+            for handle in (small, large):
+                with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                    handle.wait()
+                assert late in info.value.ranks
+
+
+def test_polling_test_raises_the_timeout_of_a_peer_that_never_comes() -> None:
+    with own_communicator(30, "a missing rank needs two ranks") as c:
+        late = SIZE - 1
+        if RANK != late:
+            handle = c.allreduce(np.ones(4), async_op=True, timeout=1.0)
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                while not handle.test() and time.monotonic() - start < 20:
+                    pass
+            assert list(info.value.ranks) == [late]
+
+
 def test_close_cancel_fails_an_exchange_nobody_joins() -> None:
     with own_communicator(60, "a call nobody joins needs two ranks") as c:
         if RANK == 0:

@@ -216,7 +216,8 @@ def splits(call: SharedCall, length: int) -> bool:
     answer on every member (it depends on the call alone)."""
     members = len(call.members)
     unit = max(1, _SHARE_ALIGN // call.dtype.itemsize)
-    return (call.root is None and members > 1 and length * call.dtype.itemsize * members >= SPLIT_MIN_BYTES
+    return (call.root is None and members > 1
+            and length * call.dtype.itemsize * members >= SPLIT_MIN_BYTES
             and length >= members * unit)
 
 
@@ -329,8 +330,9 @@ class SharedExchange:
         (``_post_lock`` held); False at ``until``."""
         queue = self._queue
         while queue and not (through is not None and through.published):
-            if not self._publish(queue[0], until, wait_turn):
-                return False
+            if not queue[0].finished:  # (one that failed unpublished is dropped)
+                if not self._publish(queue[0], until, wait_turn):
+                    return False
             queue.popleft()
         return True
 
@@ -397,7 +399,10 @@ class SharedExchange:
         progressed = False
         if self._queue:  # publish what can be, so the peers need not wait for a waiter
             queued = len(self._queue)
-            self.publish_through(None, 0.0, False)
+            try:
+                self.publish_through(None, 0.0, False)
+            except WagmaError as exc:  # a deadline passed: the communicator is broken
+                self._fail_queued(exc)
             progressed = len(self._queue) < queued
         tracked = self._async
         for pending in tracked:
@@ -411,6 +416,14 @@ class SharedExchange:
                     self._serviced = False
                     self._engine.remove_service(self)
         return progressed
+
+    def _fail_queued(self, error: WagmaError) -> None:
+        """Fail every piece still waiting to be published: their calls'
+        handles complete with ``error``."""
+        with self._post_lock:
+            queued, self._queue = list(self._queue), deque()
+        for pending in queued:
+            pending.fail(error)
 
     def busy(self) -> bool:
         """Unfinished calls nobody is finishing: one a waiter is finishing
@@ -431,9 +444,9 @@ class SharedExchange:
     def drain(self, error: WagmaError | None, until: float | None = None) -> int:
         """At close: finish every call in flight, each within its deadline (or
         ``until``), and fail the rest with ``error`` (``error`` alone: fail
-        them all, a cancel). Either way they are marked done, so no peer
-        waits for this rank to read its row. Returns how many were failed
-        with ``error``."""
+        them all, a cancel). Either way the published ones are marked done,
+        so no peer waits for this rank to read its row. Returns how many
+        were failed with ``error``."""
         cancelled = 0
         for pending in self.in_flight():
             if error is None or until is not None:
@@ -450,7 +463,8 @@ class SharedExchange:
         """Until every control word ``indices[i]`` (of ``ranks[i]``) is at
         least ``want`` (True), one peer at a time: a failed poll yields the
         core, and after _SPIN_S naps (up to _NAP_MAX_S). Returns False at
-        ``until`` (< deadline; 0.0: after one look). Past ``deadline``
+        ``until`` (< deadline; 0.0: after one look, so a poller too sees
+        the deadline pass). Past ``deadline``
         CollectiveTimeoutError names the ranks still missing; a dead one,
         RankFailedError. ``watched``: the call the watchdog line is about."""
         words = self._words
@@ -458,10 +472,10 @@ class SharedExchange:
         polls = 0
         for n, i in enumerate(indices):
             while words[i] < want:
-                if until == 0.0:
-                    return False
+                if until == 0.0 and time.monotonic() <= deadline:
+                    return False  # one look; past the deadline a poll raises too
                 polls += 1
-                if nap or polls % _CLOCK_EVERY == 0:
+                if nap or until == 0.0 or polls % _CLOCK_EVERY == 0:
                     now = time.monotonic()
                     if not started:
                         started = looked = now
@@ -591,7 +605,6 @@ class Pending:
         return True
 
     def _arrived(self, until: float) -> bool:
-        call = self.call
         call, plan = self.call, self.plan
         return self.exchange.wait(plan.arrive, plan.sources, self.k + 1, self.deadline,
                                   call.collective, self.seq,
@@ -622,9 +635,13 @@ class Pending:
 
     def _finish(self) -> None:
         """Mark the rows read (after every read above: x86-64 keeps a store
-        after earlier loads) and hand the outcome to the handle."""
+        after earlier loads) and hand the outcome to the handle. A piece
+        failed before it was published marks nothing: no peer can get past
+        it without its row, and the word would also say this rank read
+        pieces of its row set it may still be reading."""
         exchange = self.exchange
-        exchange._words[self.plan.my_done] = self.k + 1
+        if self.published:
+            exchange._words[self.plan.my_done] = self.k + 1
         self.finished = True
         if self.counted:  # a call's last piece
             if self.error is None:
@@ -696,5 +713,5 @@ def describe(collective: str, members: Sequence[int], count: int, dtype: DType, 
             f"algorithm={ALGORITHM},members={list(members)})")
 
 
-__all__ = ["ALGORITHM", "EAGER_BYTES", "SPLIT_MIN_BYTES", "default_max_bytes", "SharedCall", "SharedExchange", "Pending",
-           "SplitPending", "describe", "split_bounds", "splits"]
+__all__ = ["ALGORITHM", "EAGER_BYTES", "SPLIT_MIN_BYTES", "default_max_bytes", "SharedCall",
+           "SharedExchange", "Pending", "SplitPending", "describe", "split_bounds", "splits"]
