@@ -681,8 +681,9 @@ class Communicator:
         """The default broadcast algorithm: the shared-memory exchange where
         the communicator has it (not in debug mode), at any size: unlike a
         reduction it has no rank's work to share out, and it beat the message
-        path at every size measured (docs/benchmarks.md, "Broadcast through
-        shared memory"); else by size."""
+        path at every size measured but below 16 KiB on an oversubscribed
+        host (docs/benchmarks.md, "Broadcast through shared memory"); else
+        by size."""
         if self._shared is not None and not self._debug:
             return SHARED_MEMORY
         return algorithms.choose_broadcast(nbytes, len(ranks))
