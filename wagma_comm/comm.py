@@ -323,21 +323,14 @@ class Communicator:
                 return result
         buffer = as_buffer(buf, "buf")
         deadline_s = self._call_timeout(timeout)
-        ranks = self._all_ranks
-        name = self._check_algorithm(
-            algorithm, BROADCAST_ALGORITHMS,
-            lambda: self._choose_broadcast(buffer.nbytes, ranks))
-        if name == SHARED_MEMORY:
-            if self.size > 1:
-                call = self._shared_broadcast(buffer, root)
-                if fast_key is not None:
-                    self._remember_shared(fast_key, buf, call, buffer)
-                return self._submit_shared(call, buffer.host_array(), buffer.owner, deadline_s,
-                                           async_op, None)
-            name = "binomial"  # one rank: nothing to exchange either way
-        sched = algorithms.compile_broadcast(self.rank, ranks, buffer.count, root, name)
-        text = (f"broadcast(count={buffer.count},dtype={buffer.dtype.name},root={root},"
-                f"algorithm={name})")
+        sched, text = self._prepared_call(
+            ("broadcast", root, algorithm, buffer.count, buffer.dtype.name),
+            lambda: self._prepare_broadcast(buffer, root, algorithm))
+        if isinstance(sched, SharedCall):
+            if fast_key is not None:
+                self._remember_shared(fast_key, buf, sched, buffer)
+            return self._submit_shared(sched, buffer.host_array(), buffer.owner, deadline_s,
+                                       async_op, None)
         return self._submit("broadcast", text, sched, buffer, deadline_s, async_op)
 
     def barrier(self, timeout: float | None = None) -> None:
@@ -566,26 +559,17 @@ class Communicator:
         # What the arguments compile to depends on nothing else: a training
         # loop or a benchmark repeats the same call, so it is worked out once
         # (the small-message path costs its Python, docs/benchmarks.md).
-        key = (collective, ranks, op, algorithm, buffer.count, buffer.dtype.name, extra)
-        try:
-            prepared = self._prepared.get(key)
-        except TypeError:  # an unhashable algorithm: _prepare_reduce names it
-            key, prepared = None, None
-        if prepared is None:
-            prepared = self._prepare_reduce(collective, buffer, ranks, op, algorithm, extra)
-            if key is not None:
-                if len(self._prepared) >= _PREPARED_LIMIT:
-                    self._prepared.clear()
-                self._prepared[key] = prepared
-        sched, text = prepared
+        sched, text = self._prepared_call(
+            (collective, ranks, op, algorithm, buffer.count, buffer.dtype.name, extra),
+            lambda: self._prepare_reduce(collective, buffer, ranks, op, algorithm, extra))
         check = (_nan_check(collective, op, buffer)
                  if op in ("max", "min") and buffer.dtype.is_float else None)
         if isinstance(sched, SharedCall):
-            if fast_key is not None and check is None and key is not None:
+            if fast_key is not None and check is None:
                 self._remember_shared(fast_key, buf, sched, buffer)
             return self._submit_shared(sched, buffer.host_array(), buffer.owner, deadline_s,
                                        async_op, check)
-        if fast_key is not None and check is None and key is not None:
+        if fast_key is not None and check is None:
             self._remember_fast(fast_key, collective, buf, sched, text, buffer)
         return self._submit(collective, text, sched, buffer, deadline_s, async_op,
                             on_done=check)
@@ -638,6 +622,22 @@ class Communicator:
             self._fast[fast_key] = _FastCall(collective, sched, text, buffer.dtype, flat,
                                              self._engine, counter)
 
+    def _prepared_call(self, key: tuple[Any, ...], prepare: Callable[
+            [], tuple[Schedule | SharedCall, str]]) -> tuple[Schedule | SharedCall, str]:
+        """What a call's arguments compile to (``prepare()``), worked out once
+        per ``key``: a training loop or a benchmark repeats the same call, and
+        a SharedCall's plans or a schedule's program are reused with it."""
+        try:
+            prepared = self._prepared.get(key)
+        except TypeError:  # an unhashable algorithm: prepare() names it
+            return prepare()
+        if prepared is None:
+            prepared = prepare()
+            if len(self._prepared) >= _PREPARED_LIMIT:
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        return prepared
+
     def _prepare_reduce(self, collective: str, buffer: Buffer, ranks: tuple[int, ...],
                         op: str, algorithm: Any, extra: str) -> tuple[Schedule | SharedCall, str]:
         """The schedule (or, for the shared-memory exchange, the SharedCall)
@@ -688,21 +688,23 @@ class Communicator:
             return SHARED_MEMORY
         return algorithms.choose_broadcast(nbytes, len(ranks))
 
-    def _shared_broadcast(self, buffer: Buffer, root: int) -> SharedCall:
-        """The shared-memory exchange's call for a broadcast like this one,
-        made once (its plans hold the row views a repeated call reuses)."""
-        self._check_shared()
-        key = ("broadcast", root, buffer.count, buffer.dtype.name)
-        prepared = self._prepared.get(key)
-        if prepared is None:
-            ranks = self._all_ranks
-            call = SharedCall("broadcast", ranks, buffer.count, buffer.dtype, "",
-                              describe("broadcast", ranks, buffer.count, buffer.dtype, "",
-                                       f",root={root}"), root=root)
-            if len(self._prepared) >= _PREPARED_LIMIT:
-                self._prepared.clear()
-            prepared = self._prepared[key] = (call, call.text)
-        return prepared[0]  # type: ignore[return-value]
+    def _prepare_broadcast(self, buffer: Buffer, root: int,
+                           algorithm: Any) -> tuple[Schedule | SharedCall, str]:
+        """As :meth:`_prepare_reduce`, for a broadcast from ``root``."""
+        ranks = self._all_ranks
+        name = self._check_algorithm(algorithm, BROADCAST_ALGORITHMS,
+                                     lambda: self._choose_broadcast(buffer.nbytes, ranks))
+        if name == SHARED_MEMORY:
+            if self.size > 1:
+                self._check_shared()
+                call = SharedCall("broadcast", ranks, buffer.count, buffer.dtype, "",
+                                  describe("broadcast", ranks, buffer.count, buffer.dtype, "",
+                                           f",root={root}"), root=root)
+                return call, call.text
+            name = "binomial"  # one rank: nothing to exchange either way
+        sched = algorithms.compile_broadcast(self.rank, ranks, buffer.count, root, name)
+        return sched, (f"broadcast(count={buffer.count},dtype={buffer.dtype.name},root={root},"
+                       f"algorithm={name})")
 
     def _check_shared(self) -> None:
         """Why ``algorithm="shared_memory"`` cannot run here, as a typed error."""
