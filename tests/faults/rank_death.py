@@ -82,6 +82,21 @@ def main() -> None:
                 wagma.step(model)
                 time.sleep(0.005)
         record(comm, steps)
+    elif CASE in ("shared_memory", "shared_memory_poll"):  # round 1, in the segment
+        # The victim never takes part: it is killed while the others wait for
+        # its row (blocking), or poll for it (non-blocking, nobody waits).
+        if victim:
+            die_soon(0.3)
+            time.sleep(60)
+        small = np.ones(1 << 10, np.float32)
+        if CASE == "shared_memory":
+            record(comm, lambda: comm.allreduce(small, algorithm="shared_memory"))
+        else:
+            def poll() -> None:
+                handle = comm.allreduce(small, algorithm="shared_memory", async_op=True)
+                while not handle.test():
+                    time.sleep(0.001)
+            record(comm, poll)
     elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
         if victim:
             die_soon(0.01)

@@ -464,7 +464,8 @@ class SharedExchange:
         least ``want`` (True), one peer at a time: a failed poll yields the
         core, and after _SPIN_S naps (up to _NAP_MAX_S). Returns False at
         ``until`` (< deadline; 0.0: after one look, so a poller too sees
-        the deadline pass). Past ``deadline``
+        the deadline pass, and every _LIVENESS_EVERY_S of ``watched``'s
+        polls the watchdog and dead members). Past ``deadline``
         CollectiveTimeoutError names the ranks still missing; a dead one,
         RankFailedError. ``watched``: the call the watchdog line is about."""
         words = self._words
@@ -472,8 +473,14 @@ class SharedExchange:
         polls = 0
         for n, i in enumerate(indices):
             while words[i] < want:
-                if until == 0.0 and time.monotonic() <= deadline:
-                    return False  # one look; past the deadline a poll raises too
+                if until == 0.0:
+                    now = time.monotonic()
+                    if now <= deadline:
+                        if watched is not None and now - watched.looked > _LIVENESS_EVERY_S:
+                            watched.looked = now  # a poller too learns of a dead member
+                            self._look_around(indices, ranks, want, n, collective, seq, what,
+                                              watched, now)
+                        return False  # one look; past the deadline a poll raises too
                 polls += 1
                 if nap or until == 0.0 or polls % _CLOCK_EVERY == 0:
                     now = time.monotonic()
@@ -526,8 +533,8 @@ class Pending:
     ``handle``/``value``/``on_done``: set on a non-blocking call's last piece."""
 
     __slots__ = ("exchange", "k", "seq", "call", "plan", "data", "deadline", "timeout",
-                 "finished", "error", "handle", "value", "on_done", "warned", "earlier",
-                 "counted", "published", "_lock")
+                 "finished", "error", "handle", "value", "on_done", "warned", "looked",
+                 "earlier", "counted", "published", "_lock")
 
     def __init__(self, exchange: SharedExchange, k: int, seq: int, call: SharedCall,
                  plan: _Plan, data: np.ndarray, deadline: float, timeout: float) -> None:
@@ -536,6 +543,7 @@ class Pending:
         self.data: np.ndarray | None = data
         self.deadline, self.timeout = deadline, timeout
         self.warned = False  # the watchdog logged this call already
+        self.looked = deadline - timeout  # last look for dead members while polled
         self.finished = False
         self.error: BaseException | None = None
         self.handle: Handle | None = None
