@@ -348,38 +348,53 @@ class Communicator:
                                       normalization: str = "wagma",
                                       timeout: float | None = None,
                                       algorithm: str | None = None,
-                                      grace: float = 0.0) -> Any:
+                                      grace: float = 0.0, first_round: int = 0) -> Any:
         """WAGMA model averaging over shifting groups of at most ``group_size``
         ranks; every ``sync_every``-th step is a blocking global mean. Collective:
         every rank creates it, in the same order as other collectives. ``buf``
         is the initial model (shape/dtype of every later step). ``grace``
         (shared-memory path only): the first member of a round may wait up to
         that fraction of its own compute time for members one round behind.
+        ``first_round`` (a multiple of ``sync_every``): round r has the group
+        of round first_round + r, as when resuming at that iteration.
         See docs/partial.md."""
         from .partial import shared_wagma
 
         return shared_wagma.create(self, buf, group_size, sync_every, activation=activation,
                                    normalization=normalization, timeout=timeout,
-                                   algorithm=algorithm, grace=grace)
+                                   algorithm=algorithm, grace=grace, first_round=first_round)
 
     def solo_allreduce(self, buf: Any, sync_every: int, *, op: str = "avg",
-                       timeout: float | None = None, algorithm: str | None = None) -> Any:
+                       timeout: float | None = None, algorithm: str | None = None,
+                       first_round: int = 0) -> Any:
         """eager-SGD's solo allreduce of gradients: the first rank to arrive
-        activates each round. Collective; see docs/partial.md."""
+        activates each round. Collective; see docs/partial.md.
+        ``first_round`` as in :meth:`wait_avoiding_group_allreduce`."""
         from .partial.eager import SoloAllreduce
 
-        return self._create(SoloAllreduce(self, buf, sync_every, op=op, timeout=timeout,
-                                          algorithm=algorithm))
+        return self._create_eager(SoloAllreduce(self, buf, sync_every, op=op, timeout=timeout,
+                                                algorithm=algorithm, first_round=first_round))
 
     def majority_allreduce(self, buf: Any, sync_every: int, *, seed: int = 0,
                            op: str = "avg", timeout: float | None = None,
-                           algorithm: str | None = None) -> Any:
+                           algorithm: str | None = None, first_round: int = 0) -> Any:
         """eager-SGD's majority allreduce: round ``t`` is activated by a rank
-        drawn from (seed, t), the same on every rank. Collective."""
+        drawn from (seed, first_round + t), the same on every rank.
+        Collective; ``first_round`` as in :meth:`wait_avoiding_group_allreduce`."""
         from .partial.eager import MajorityAllreduce
 
-        return self._create(MajorityAllreduce(self, buf, sync_every, seed=seed, op=op,
-                                              timeout=timeout, algorithm=algorithm))
+        return self._create_eager(MajorityAllreduce(self, buf, sync_every, seed=seed, op=op,
+                                                    timeout=timeout, algorithm=algorithm,
+                                                    first_round=first_round))
+
+    def _create_eager(self, partial: Any) -> Any:
+        """Open a solo or majority allreduce once every rank is known to have
+        created it alike (partial/base.py, ``agree``)."""
+        from .partial.base import agree
+
+        agree(self, partial.kind, partial.count, partial.dtype, partial.timeout,
+              **partial.creation_options())
+        return self._create(partial)
 
     def _create(self, partial: Any) -> Any:
         partial._open()

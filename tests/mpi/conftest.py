@@ -122,3 +122,46 @@ def step_into_a_missing_sync_round(w: object, slow: int) -> None:
     with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
         w.step(model)
     w.close()
+
+
+def wagma_rounds_follow(first_round: int, w: object, steps: int,
+                        group_size: int) -> list[object]:
+    """Step ``w`` (a wait-avoiding group allreduce created with
+    ``first_round``) ``steps`` times on every rank together; check that each
+    round applied is round first_round + r of the rules: synchronous exactly
+    at those rounds, else the shifting group of that round. Returns the
+    RoundInfos."""
+    from wagma_comm.runtime.activation import group_step, is_sync_round
+
+    comm = w._comm  # type: ignore[attr-defined]
+    sync_every = w.sync_every  # type: ignore[attr-defined]
+    infos = []
+    for _ in range(steps):
+        model = np.full(4, comm.rank, np.float32)
+        info = w.step(model)  # type: ignore[attr-defined]
+        absolute = first_round + info.round
+        assert info.synchronized == is_sync_round(absolute, sync_every), info
+        if not info.synchronized:
+            assert info.step == group_step(absolute, sync_every), info
+            assert info.group == tuple(comm.group_of(group_size, info.step)), info
+        else:  # a global mean: the same everywhere
+            assert np.all(model == np.float32(sum(range(comm.size)) / comm.size))
+        infos.append(info)
+    assert any(i.synchronized for i in infos) and not all(i.synchronized for i in infos)
+    return infos
+
+
+def mismatched_creations_are_refused(comm: wagma_comm.Communicator, make: object,
+                                     what: str) -> None:
+    """``make(differs)`` creates a partial collective; rank 0 passes True, so
+    its ``what`` differs. Every rank must get MismatchError at creation,
+    naming the ranks whose creation differs from its own, and the
+    communicator stays usable."""
+    rank, size = comm.rank, comm.size
+    with pytest.raises(wagma_comm.MismatchError) as info:
+        make(rank == 0)  # type: ignore[operator]
+    assert sorted(info.value.ranks) == ([0] if rank else list(range(1, size)))
+    assert what in str(info.value)
+    ones = np.ones(2, np.float64)
+    comm.allreduce(ones)
+    assert np.all(ones == size)

@@ -19,7 +19,8 @@ from mpi4py import MPI
 import wagma_comm
 from wagma_comm import Communicator, RoundInfo
 
-from conftest import step_into_a_missing_sync_round
+from conftest import (mismatched_creations_are_refused, step_into_a_missing_sync_round,
+                      wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -459,6 +460,65 @@ def test_majority_activator_sequence_is_the_same_everywhere(comm: Communicator) 
     c.close()
 
 
+# -- resuming: first_round -----------------------------------------------------------
+@pytest.mark.parametrize("first_round", [0, 3, 8])
+def test_wagma_round_r_is_round_first_round_plus_r(comm: Communicator,
+                                                   first_round: int) -> None:
+    """3 is no multiple of sync_every: the sync rounds move with it."""
+    group_size = max(1, SIZE // 2)
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4, np.float32), group_size, 4,
+                                           first_round=first_round)
+    assert w.statistics()["first_round"] == first_round
+    wagma_rounds_follow(first_round, w, 9, group_size)
+    w.close()
+
+
+@pytest.mark.parametrize("first_round", [0, 5])
+def test_majority_round_r_has_the_activator_of_round_first_round_plus_r(
+        comm: Communicator, first_round: int) -> None:
+    from wagma_comm.runtime.activation import is_sync_round, majority_activator
+
+    c = comm.majority_allreduce(np.zeros(3, np.float32), sync_every=4, seed=11,
+                                first_round=first_round)
+    for t in range(10):
+        assert c.activator(t) == majority_activator(11, first_round + t, SIZE)
+        info = c.step(np.ones(3, np.float32))
+        assert info.synchronized == is_sync_round(first_round + info.round, 4), info
+        if not info.synchronized:
+            assert info.activator == c.activator(info.round)
+    c.flush()
+    c.close()
+
+
+def test_solo_sync_rounds_move_with_first_round(comm: Communicator) -> None:
+    c = comm.solo_allreduce(np.zeros(2), sync_every=3, first_round=1, op="sum")
+    synchronized = [c.step(np.ones(2)).synchronized for _ in range(6)]
+    assert synchronized[1] and synchronized[4]  # rounds 2 and 5 of the training run
+    c.flush()
+    c.close()
+
+
+MISMATCHED = [
+    ("first_round", lambda c, differs: c.wait_avoiding_group_allreduce(
+        np.zeros(4, np.float32), 1, 4, first_round=4 if differs else 0,
+        algorithm="recursive_doubling"), "first_round=4"),
+    ("sync_every", lambda c, differs: c.solo_allreduce(
+        np.zeros(4), 3 if differs else 2), "sync_every=3"),
+    ("seed", lambda c, differs: c.majority_allreduce(
+        np.zeros(4), 2, seed=7 if differs else 0), "seed=7"),
+    ("count", lambda c, differs: c.majority_allreduce(
+        np.zeros(5 if differs else 4), 2), "count=5"),
+]
+
+
+@pytest.mark.skipif(SIZE == 1, reason="one rank agrees with itself")
+@pytest.mark.parametrize("case", MISMATCHED, ids=[m[0] for m in MISMATCHED])
+def test_ranks_that_create_it_differently_get_a_mismatch(comm: Communicator,
+                                                         case: Any) -> None:
+    _, make, what = case
+    mismatched_creations_are_refused(comm, lambda differs: make(comm, differs), what)
+
+
 def test_solo_average_matches_allreduce_when_nobody_is_late(comm: Communicator) -> None:
     c = comm.solo_allreduce(np.zeros(6), sync_every=1)  # every round synchronous
     g = np.arange(6, dtype=np.float64) * (RANK + 1)
@@ -483,6 +543,12 @@ BAD = [
     ("algorithm", lambda c: c.solo_allreduce(np.zeros(2), 2, algorithm="native"),
      "algorithm"),
     ("timeout", lambda c: c.solo_allreduce(np.zeros(2), 2, timeout=-1), "timeout"),
+    ("first_round negative", lambda c: c.solo_allreduce(np.zeros(2), 2, first_round=-1),
+     "first_round"),
+    ("first_round bool", lambda c: c.majority_allreduce(np.zeros(2), 2, first_round=True),
+     "first_round"),
+    ("first_round float", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, first_round=2.0), "first_round"),
 ]
 
 

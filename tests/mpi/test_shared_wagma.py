@@ -21,7 +21,8 @@ import wagma_comm
 from wagma_comm import Communicator, RoundInfo
 from wagma_comm.partial.shared_wagma import MODEL_MAX_BYTES
 
-from conftest import message_path, step_into_a_missing_sync_round
+from conftest import (message_path, mismatched_creations_are_refused,
+                      step_into_a_missing_sync_round, wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -285,6 +286,35 @@ def test_grace_is_bounded_and_skips_a_member_two_rounds_behind(comm: Communicato
             assert w.step(np.zeros(4)).staleness >= 1  # late: both rounds ran without it
     w.close()
     fast.Free()
+
+
+@needs_peers
+@pytest.mark.parametrize("first_round", [0, 3, 8])
+def test_round_r_is_round_first_round_plus_r(comm: Communicator, first_round: int) -> None:
+    """3 is no multiple of sync_every: the sync rounds move with it."""
+    group_size = max(1, SIZE // 2)
+    w = _wagma(comm, np.zeros(4, np.float32), group_size, 4, first_round=first_round)
+    assert w.statistics()["first_round"] == first_round
+    wagma_rounds_follow(first_round, w, 9, group_size)
+    w.close()
+
+
+@needs_peers
+@pytest.mark.parametrize("what", ["first_round", "count"])
+def test_ranks_that_create_it_differently_get_a_mismatch(comm: Communicator,
+                                                         what: str) -> None:
+    """Agreed on before the path is chosen: a count over the segment's limit
+    on one rank must not send it down the other path."""
+    def make(differs: bool) -> Any:
+        if what == "first_round":
+            return comm.wait_avoiding_group_allreduce(np.zeros(4, np.float32), 1, 4,
+                                                      first_round=4 if differs else 0)
+        count = MODEL_MAX_BYTES // 4 + 1 if differs else 4
+        return comm.wait_avoiding_group_allreduce(np.zeros(count, np.float32), 1, 4)
+
+    mismatched_creations_are_refused(
+        comm, make, "first_round=4" if what == "first_round" else
+        f"count={MODEL_MAX_BYTES // 4 + 1}")
 
 
 def test_grace_is_checked_before_any_communication(comm: Communicator) -> None:

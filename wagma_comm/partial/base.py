@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+import zlib
 from collections import deque
 from typing import Any, Callable
 
@@ -71,6 +72,44 @@ def check_sync_every(sync_every: Any) -> int:
     if sync_every < 1:
         raise InvalidArgumentError("sync_every", f"must be >= 1, got {sync_every}")
     return sync_every
+
+
+def check_first_round(first_round: Any) -> int:
+    """``first_round``: the round (training iteration) this object's round 0
+    stands for. Round r is round first_round + r in every rule that depends
+    on the round: its group, its activator, whether it is synchronous; so a
+    run resumed at iteration ``first_round`` does what the uninterrupted run
+    would have done."""
+    if isinstance(first_round, bool) or not isinstance(first_round, int):
+        raise InvalidArgumentError("first_round", f"expected an int, got {first_round!r}")
+    if first_round < 0:
+        raise InvalidArgumentError("first_round", f"must be >= 0, got {first_round}")
+    return first_round
+
+
+_DESCRIPTION_BYTES = 256  # per rank in agree(): a CRC of the whole text, then its start
+
+
+def agree(comm: Any, kind: str, count: int, dtype: Any, timeout: float | None,
+          **options: Any) -> None:
+    """Collective, at creation: every rank created ``kind`` with the same
+    count, dtype and ``options`` (sync_every, first_round, ...), else
+    MismatchError on every rank, naming the ranks that differ and what they
+    asked for. Why: ranks that disagree on the rounds' groups or sizes would
+    otherwise meet only in a timeout, or in rounds over different groups."""
+    settings = "".join(f", {name}={value!r}" for name, value in options.items())
+    description = f"{kind}(count={count}, dtype={dtype.name}{settings})"
+    text = description.encode()
+    rows = np.zeros((comm.size, _DESCRIPTION_BYTES), dtype=np.uint8)
+    mine = rows[comm.rank]
+    mine[:4] = np.frombuffer(zlib.crc32(text).to_bytes(4, "little"), dtype=np.uint8)
+    start = text[:_DESCRIPTION_BYTES - 4]
+    mine[4:4 + len(start)] = np.frombuffer(start, dtype=np.uint8)
+    comm.allreduce(rows, "sum", timeout=timeout)  # one non-zero row each: a gather
+    differ = {r: bytes(row[4:]).rstrip(b"\0").decode(errors="replace")
+              for r, row in enumerate(rows) if not np.array_equal(row, mine)}
+    if differ:
+        raise MismatchError(kind, 0, differ, description)
 
 
 def check_step_buffer(kind: str, count: int, dtype: Any, buf: Any) -> tuple[np.ndarray, Any]:
@@ -120,8 +159,9 @@ class PartialCollective:
     kind = "partial_collective"
 
     def __init__(self, comm: Any, buf: Any, sync_every: int, timeout: float | None,
-                 algorithm: str | None) -> None:
+                 algorithm: str | None, first_round: int = 0) -> None:
         check_sync_every(sync_every)
+        self.first_round = check_first_round(first_round)
         buffer = as_buffer(buf, "buf")
         self._comm = comm
         self._engine = comm._engine
@@ -258,7 +298,8 @@ class PartialCollective:
         with self._lock:
             stats = self.telemetry.as_dict()
             stats.update(kind=self.kind, rank=self.rank, size=self.size,
-                         sync_every=self.sync_every, iteration=self._app_round,
+                         sync_every=self.sync_every, first_round=self.first_round,
+                         iteration=self._app_round,
                          started_round=self._started, completed_round=self._completed,
                          broken=None if self._error is None else str(self._error))
         stats.update(self._extra_statistics())
@@ -373,8 +414,12 @@ class PartialCollective:
         self._engine.remove_service(self)
         self.fail(error)
 
+    def _synchronous(self, r: int) -> bool:
+        """Whether this object's round ``r`` is a blocking round over all ranks."""
+        return activation.is_sync_round(self.first_round + r, self.sync_every)
+
     def _arrive(self, t: int) -> None:
-        if activation.is_sync_round(t, self.sync_every):
+        if self._synchronous(t):
             self._sync_arrived.add(t)
         elif t <= self._completed:
             return  # it ran here, so every member took part: nobody to tell
@@ -397,9 +442,9 @@ class PartialCollective:
         that arrives first still activates it (``step`` sends ``arrive``),
         so a late member is never waited for."""
         if (t <= self._activated or t <= self._last_sync
-                or activation.is_sync_round(t, self.sync_every)):
+                or self._synchronous(t)):
             return  # activated already, or not a group round
-        if any(not activation.is_sync_round(q, self.sync_every)
+        if any(not self._synchronous(q)
                for q in range(self._activated + 1, t)):
             self._activate(t, None, self.rank)  # skipped rounds need tokens
             return
@@ -420,14 +465,14 @@ class PartialCollective:
             self._final = None
             self._start_final(final)
             return True
-        if activation.is_sync_round(r, self.sync_every):
+        if self._synchronous(r):
             if r not in self._sync_arrived:
                 return False
             self._sync_arrived.discard(r)
             self._start_round(r, tuple(range(self.size)), None, None, synchronized=True)
             return True
         if r <= self._activated:
-            step = activation.group_step(r, self.sync_every)
+            step = activation.group_step(self.first_round + r, self.sync_every)
             root = self._round_activator(r, self._roots.pop(r, self.rank))
             self._start_round(r, self._members(r), step, root, synchronized=False)
             return True
@@ -723,11 +768,11 @@ class PartialCollective:
         """Record that round ``r`` is activated (rounds before it too: rounds run
         in order here) and pass the token on."""
         if (r <= self._last_sync or r <= self._completed - TOKEN_HORIZON
-                or activation.is_sync_round(r, self.sync_every)):
+                or self._synchronous(r)):
             return
         if r > self._activated:
             for q in range(self._activated + 1, r):
-                if not activation.is_sync_round(q, self.sync_every):
+                if not self._synchronous(q):
                     self._roots[q] = self.rank
                     self._route(q, None, self.rank)
             self._activated = r

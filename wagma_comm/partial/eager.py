@@ -41,14 +41,20 @@ class SoloAllreduce(PartialCollective):
     kind = "solo_allreduce"
 
     def __init__(self, comm: Any, buf: Any, sync_every: int, *, op: str = "avg",
-                 timeout: float | None = None, algorithm: str | None = None) -> None:
+                 timeout: float | None = None, algorithm: str | None = None,
+                 first_round: int = 0) -> None:
         if op not in EAGER_OPS:
             raise InvalidArgumentError("op", f"expected one of {list(EAGER_OPS)}, got {op!r}")
-        super().__init__(comm, buf, sync_every, timeout, algorithm)
+        super().__init__(comm, buf, sync_every, timeout, algorithm, first_round)
         self.op = op
         self._acc = np.zeros(self.count, dtype=self.dtype.storage)
         self._acc_iterations: list[int] = []
         self._results: dict[int, Result] = {}
+
+    def creation_options(self) -> dict[str, Any]:
+        """What every rank must have created this with (base.agree)."""
+        return {"sync_every": self.sync_every, "first_round": self.first_round,
+                "op": self.op, "algorithm": self._algorithm}
 
     def _contribute(self, data: np.ndarray, t: int) -> None:
         if self._acc_iterations:
@@ -111,15 +117,20 @@ class MajorityAllreduce(SoloAllreduce):
 
     def __init__(self, comm: Any, buf: Any, sync_every: int, *, seed: int = 0,
                  op: str = "avg", timeout: float | None = None,
-                 algorithm: str | None = None) -> None:
+                 algorithm: str | None = None, first_round: int = 0) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError("seed", f"expected an int, got {seed!r}")
-        super().__init__(comm, buf, sync_every, op=op, timeout=timeout, algorithm=algorithm)
+        super().__init__(comm, buf, sync_every, op=op, timeout=timeout, algorithm=algorithm,
+                         first_round=first_round)
         self.seed = seed
 
+    def creation_options(self) -> dict[str, Any]:
+        return {**super().creation_options(), "seed": self.seed}
+
     def activator(self, round: int) -> int:
-        """The rank that activates ``round`` (the same on every rank)."""
-        return activation.majority_activator(self.seed, round, self.size)
+        """The rank that activates ``round`` (the same on every rank): round
+        first_round + ``round``'s draw."""
+        return activation.majority_activator(self.seed, self.first_round + round, self.size)
 
     def _activates(self, t: int) -> bool:
         return self.activator(t) == self.rank

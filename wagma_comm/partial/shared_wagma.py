@@ -57,7 +57,7 @@ from ..runtime.handle import Handle
 from ..schedule import algorithms
 from ..transport import shm_lock
 from ..transport.shm_board import ACTIVATOR, HOLDER, PUBLISHED, RESULT, Board
-from .base import check_step_buffer, check_sync_every
+from .base import agree, check_first_round, check_step_buffer, check_sync_every
 from .info import RoundInfo, Telemetry
 from .wagma import WaitAvoidingGroupAllreduce, check_options
 
@@ -135,12 +135,13 @@ class SharedWaitAvoidingGroupAllreduce:
 
     def __init__(self, comm: Any, buf: Any, board: Board, ident: int, group_size: int,
                  sync_every: int, *, activation: str, normalization: str,
-                 timeout: float, offset: int = 0, grace: float = 0.0) -> None:
+                 timeout: float, first_round: int = 0, grace: float = 0.0) -> None:
         buffer = as_buffer(buf, "buf")
         self._comm, self._board, self._id = comm, board, ident
         self.rank, self.size = comm.rank, comm.size
         self.count, self.dtype = buffer.count, buffer.dtype
-        self.group_size, self.sync_every, self.offset = group_size, sync_every, offset
+        self.group_size, self.sync_every = group_size, sync_every
+        self.first_round = first_round  # round r has round first_round + r's group
         self.activation, self.normalization, self.timeout = activation, normalization, timeout
         self.grace = grace
         storage = self.dtype.storage
@@ -184,7 +185,7 @@ class SharedWaitAvoidingGroupAllreduce:
         self._app_round += 1
         started = time.monotonic()
         self._measure_compute(started)
-        if is_sync_round(t, self.sync_every):
+        if is_sync_round(self.first_round + t, self.sync_every):
             handle = self._sync_round(t, buf, data, started)
             return handle if async_op else handle.wait()
         info = self._group_round(t, data, started)
@@ -226,8 +227,9 @@ class SharedWaitAvoidingGroupAllreduce:
         which. Rounds are counted where their result is applied here."""
         stats = self.telemetry.as_dict()
         stats.update(kind=self.kind, rank=self.rank, size=self.size,
-                     sync_every=self.sync_every, iteration=self._app_round,
-                     started_round=self._completed, completed_round=self._completed,
+                     sync_every=self.sync_every, first_round=self.first_round,
+                     iteration=self._app_round, started_round=self._completed,
+                     completed_round=self._completed,
                      broken=None if self._error is None else str(self._error),
                      group_size=self.group_size, activation=self.activation,
                      normalization=self.normalization, path=self.path)
@@ -245,7 +247,7 @@ class SharedWaitAvoidingGroupAllreduce:
 
     # -- group rounds ---------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
-        step = group_step(r + self.offset, self.sync_every)
+        step = group_step(self.first_round + r, self.sync_every)
         return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
 
     def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
@@ -287,7 +289,8 @@ class SharedWaitAvoidingGroupAllreduce:
             telemetry.fresh_contributions += 1
         else:
             telemetry.stale_contributions += 1
-        return RoundInfo(round=newest, step=group_step(newest + self.offset, self.sync_every),
+        return RoundInfo(round=newest,
+                         step=group_step(self.first_round + newest, self.sync_every),
                          group=group, activator=activator, fresh=fresh,
                          staleness=staleness, synchronized=False, iteration=t)
 
@@ -521,13 +524,18 @@ def open_board(comm: Any, ident: int, initial: np.ndarray,
 def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
            activation: str = "global", normalization: str = "wagma",
            timeout: float | None = None, algorithm: str | None = None,
-           offset: int = 0, grace: float = 0.0) -> Any:
+           first_round: int = 0, grace: float = 0.0) -> Any:
     """Collective: the wait-avoiding group allreduce on the board where it
     can run (``algorithm`` None or ``"shared_memory"``), else on messages."""
     check_sync_every(sync_every)
+    check_first_round(first_round)
     check_options(comm.size, group_size, activation, normalization, grace)
+    buffer = as_buffer(buf, "buf")
+    agree(comm, WaitAvoidingGroupAllreduce.kind, buffer.count, buffer.dtype, timeout,
+          group_size=group_size, sync_every=sync_every, first_round=first_round,
+          activation=activation, normalization=normalization, algorithm=algorithm)
     if algorithm == SHARED_MEMORY or algorithm is None:
-        data = as_buffer(buf, "buf").host_array()
+        data = buffer.host_array()
         reason = unavailable_reason(comm, data.nbytes)
         if reason is None:
             deadline = comm._call_timeout(timeout)
@@ -536,7 +544,7 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
             if board is not None:
                 return comm._create(SharedWaitAvoidingGroupAllreduce(
                     comm, buf, board, ident, group_size, sync_every, activation=activation,
-                    normalization=normalization, timeout=deadline, offset=offset,
+                    normalization=normalization, timeout=deadline, first_round=first_round,
                     grace=float(grace)))
         if algorithm == SHARED_MEMORY:
             raise UnsupportedError("algorithm", f"shared_memory: {reason}")
@@ -547,8 +555,8 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
             "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
     return comm._create(WaitAvoidingGroupAllreduce(
         comm, buf, group_size, sync_every, activation=activation,
-        normalization=normalization, timeout=timeout, algorithm=algorithm, offset=offset,
-        grace=grace))
+        normalization=normalization, timeout=timeout, algorithm=algorithm,
+        first_round=first_round, grace=grace))
 
 
 __all__ = ["SharedWaitAvoidingGroupAllreduce", "create", "unavailable_reason",

@@ -69,12 +69,10 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
     def __init__(self, comm: Any, buf: Any, group_size: int, sync_every: int, *,
                  activation: str = "global", normalization: str = "wagma",
                  timeout: float | None = None, algorithm: str | None = None,
-                 offset: int = 0, grace: float = 0.0) -> None:
+                 first_round: int = 0, grace: float = 0.0) -> None:
         check_options(comm.size, group_size, activation, normalization, grace)
-        super().__init__(comm, buf, sync_every, timeout, algorithm)
-        # Round r uses iteration offset + r's groups: a run resumed at
-        # iteration offset averages with the partners of the uninterrupted one.
-        self.offset = offset
+        # Round r has round first_round + r's group (check_first_round).
+        super().__init__(comm, buf, sync_every, timeout, algorithm, first_round)
         self.group_size = group_size
         self.activation = activation
         self.normalization = normalization
@@ -116,7 +114,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
-        step = group_step(r + self.offset, self.sync_every)
+        step = group_step(self.first_round + r, self.sync_every)
         return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
 
     def _token_scope(self, r: int) -> tuple[int, ...]:

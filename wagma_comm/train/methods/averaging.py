@@ -17,10 +17,11 @@ from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
 from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS, check_grace
 from ...runtime.activation import is_sync_round
-from . import _resumable
 from .base import MODEL, AveragingInfo, Method, check_int
 
 ROUND_STARTS = ("gradient", "iteration", "publish")
+# A sync period no run reaches: a wait-avoiding collective with no sync rounds.
+NO_SYNC = 1 << 62
 WAGMA_GRACE = 0.5
 """WagmaSGD's default ``grace`` (docs/training.md, "The grace")."""
 
@@ -117,16 +118,16 @@ class WagmaSGD(Method):
         if self.group_size is None:
             self.group_size = default_group_size(comm.size)
         groups_mod.check_group_size(comm.size, self.group_size)
-        if self.first_iteration % self.sync_every and self.sync_every != _resumable.NO_SYNC:
+        if self.first_iteration % self.sync_every and self.sync_every != NO_SYNC:
             raise InvalidArgumentError(
                 "first_iteration", f"{self.name} resumes only at a multiple of sync_every="
                 f"{self.sync_every}, got {self.first_iteration}")
         # The creation buffer is what a rank contributes before it has published
         # anything: the current (identical) model, copied.
-        self._colls = [_resumable.create(
-            comm, "wagma", b.copy(), self.sync_every, self.first_iteration,
-            group_size=self.group_size, activation=self.activation,
-            normalization=self.normalization, grace=self.grace) for b in buffers]
+        self._colls = [comm.wait_avoiding_group_allreduce(
+            b.copy(), self.group_size, self.sync_every, activation=self.activation,
+            normalization=self.normalization, grace=self.grace,
+            first_round=self.first_iteration) for b in buffers]
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
         # A sync round blocks for everyone anyway: arriving early costs nothing.
@@ -172,7 +173,7 @@ class WagmaSGD(Method):
             self._buffers = []
 
     def checkpoint_error(self, t: int) -> str | None:
-        if t % self.sync_every and self.sync_every != _resumable.NO_SYNC:
+        if t % self.sync_every and self.sync_every != NO_SYNC:
             return (f"{self.name} checkpoints resume only at iterations that are a multiple "
                     f"of sync_every={self.sync_every} (after a sync round), not {t}")
         return None
@@ -197,7 +198,7 @@ class ADPSGD(WagmaSGD):
     name = "ad_psgd"
 
     def __init__(self) -> None:
-        super().__init__(2, _resumable.NO_SYNC, activation="group", normalization="mean",
+        super().__init__(2, NO_SYNC, activation="group", normalization="mean",
                          grace=0.0)
 
     def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from ...errors import InvalidArgumentError
-from . import _resumable
 from .base import GRADIENTS, AveragingInfo, Method, check_int
 
 
@@ -62,9 +61,11 @@ class EagerSGD(Method):
             raise InvalidArgumentError(
                 "first_iteration", f"{self.name} resumes only at a multiple of sync_every="
                 f"{self.sync_every}, got {self.first_iteration}")
-        kw = {"seed": self.seed} if self.name == "majority" else {}
-        self._colls = [_resumable.create(comm, self.name, np.zeros_like(b), self.sync_every,
-                                         self.first_iteration, **kw) for b in buffers]
+        majority = self.name == "majority"
+        create = comm.majority_allreduce if majority else comm.solo_allreduce
+        kw = {"seed": self.seed} if majority else {}
+        self._colls = [create(np.zeros_like(b), self.sync_every,
+                              first_round=self.first_iteration, **kw) for b in buffers]
 
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
