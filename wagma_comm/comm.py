@@ -355,8 +355,8 @@ class Communicator:
         is the initial model (shape/dtype of every later step). ``grace``
         (shared-memory path only): the first member of a round may wait up to
         that fraction of its own compute time for members one round behind.
-        ``first_round`` (a multiple of ``sync_every``): round r has the group
-        of round first_round + r, as when resuming at that iteration.
+        ``first_round`` (any int >= 0): round r is round first_round + r (its
+        group, and whether it is a sync round), as when resuming there.
         See docs/partial.md."""
         from .partial import shared_wagma
 

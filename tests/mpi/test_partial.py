@@ -543,6 +543,8 @@ BAD = [
     ("algorithm", lambda c: c.solo_allreduce(np.zeros(2), 2, algorithm="native"),
      "algorithm"),
     ("timeout", lambda c: c.solo_allreduce(np.zeros(2), 2, timeout=-1), "timeout"),
+    ("wagma algorithm", lambda c: c.wait_avoiding_group_allreduce(
+        np.zeros(2), 1, 2, algorithm="native"), "algorithm"),
     ("first_round negative", lambda c: c.solo_allreduce(np.zeros(2), 2, first_round=-1),
      "first_round"),
     ("first_round bool", lambda c: c.majority_allreduce(np.zeros(2), 2, first_round=True),

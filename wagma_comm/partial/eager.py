@@ -14,7 +14,7 @@ that completed before the caller arrived are kept until it asks (at most
 ahead).
 
 * solo: the first rank to arrive activates the round;
-* majority: rank ``majority_activator(seed, t, P)`` activates round ``t``; ranks
+* majority: rank ``majority_activator(seed, first_round + t, P)`` activates round ``t``; ranks
   arriving before it wait for it, so in expectation half contribute fresh data.
 
 ``op``: "sum" or "avg" (the sum divided by P); other reductions do not compose

@@ -531,13 +531,21 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
     check_first_round(first_round)
     check_options(comm.size, group_size, activation, normalization, grace)
     buffer = as_buffer(buf, "buf")
+    # Refused here, before any communication: what this rank alone can tell.
+    if algorithm not in (SHARED_MEMORY, None) and (
+            algorithm not in algorithms.ALLREDUCE_ALGORITHMS or algorithm == "native"):
+        usable = [a for a in algorithms.ALLREDUCE_ALGORITHMS if a != "native"]
+        raise InvalidArgumentError(
+            "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
+    reason = unavailable_reason(comm, buffer.nbytes)
+    if algorithm == SHARED_MEMORY and reason is not None:
+        raise UnsupportedError("algorithm", f"shared_memory: {reason}")
     agree(comm, WaitAvoidingGroupAllreduce.kind, buffer.count, buffer.dtype, timeout,
           group_size=group_size, sync_every=sync_every, first_round=first_round,
           activation=activation, normalization=normalization, algorithm=algorithm)
     if algorithm == SHARED_MEMORY or algorithm is None:
-        data = buffer.host_array()
-        reason = unavailable_reason(comm, data.nbytes)
         if reason is None:
+            data = buffer.host_array()
             deadline = comm._call_timeout(timeout)
             ident = comm._register_partial()
             board, reason = open_board(comm, ident, data, deadline)
@@ -546,13 +554,9 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
                     comm, buf, board, ident, group_size, sync_every, activation=activation,
                     normalization=normalization, timeout=deadline, first_round=first_round,
                     grace=float(grace)))
-        if algorithm == SHARED_MEMORY:
+        if algorithm == SHARED_MEMORY:  # the board could not be made on every rank
             raise UnsupportedError("algorithm", f"shared_memory: {reason}")
         algorithm = None
-    elif algorithm not in algorithms.ALLREDUCE_ALGORITHMS or algorithm == "native":
-        usable = [a for a in algorithms.ALLREDUCE_ALGORITHMS if a != "native"]
-        raise InvalidArgumentError(
-            "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
     return comm._create(WaitAvoidingGroupAllreduce(
         comm, buf, group_size, sync_every, activation=activation,
         normalization=normalization, timeout=timeout, algorithm=algorithm,

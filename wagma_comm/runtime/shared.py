@@ -351,7 +351,8 @@ class SharedExchange:
                 if not self.wait(previous.plan.done, previous.call.members, previous.k + 1,
                                  pending.deadline, call.collective, seq,
                                  f"they had not yet read this rank's part of round "
-                                 f"{previous.seq} (shared-memory exchange)", until):
+                                 f"{previous.seq} (shared-memory exchange)", until,
+                                 pending):
                     return False
             except (CollectiveTimeoutError, RankFailedError) as exc:
                 self._on_failure(exc)  # this call never arrives: the others' time out too
