@@ -23,6 +23,7 @@ from . import groups as groups_mod
 from .buffers import Buffer, as_buffer, cuda_device
 from .dtypes import UINT8, DType, check_op
 from .errors import (
+    CollectiveTimeoutError,
     CommunicatorClosedError,
     InvalidArgumentError,
     UnsupportedError,
@@ -751,7 +752,9 @@ class Communicator:
                 pending.handle, pending.value, pending.on_done = handle, value, on_done
                 shared.track(pending)  # type: ignore[union-attr]
                 return handle
-        pending.complete(deadline)
+        if not pending.complete(deadline):  # another thread still finishing it: closing
+            raise CollectiveTimeoutError(collective, seq, [], "another thread was still "
+                                         "finishing it at its deadline (shared-memory exchange)")
         if on_done is not None:
             on_done()
         return value

@@ -8,6 +8,7 @@ missing rank, close(cancel=True) and the typed errors of an explicit
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import numpy as np
@@ -283,6 +284,90 @@ def test_a_call_that_differs_between_ranks_is_a_mismatch_naming_them(
     x = np.full(2, RANK + 1.0)
     shared.allreduce(x)  # the communicator is still usable
     np.testing.assert_array_equal(x, np.full(2, SIZE * (SIZE + 1) / 2))
+
+
+def test_a_mismatch_of_a_nonblocking_call_in_pieces_leaves_it_usable(
+        shared: wagma_comm.Communicator) -> None:
+    """Same piece count, another op; rank 0's call is non-blocking, so its
+    later pieces wait in the queue when the mismatch is found. Every piece
+    must still be published and marked read, or a peer reusing that row set
+    DEPTH calls later would time out (until session 35 it did)."""
+    per_row = shared._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+    x = np.ones(3 * per_row)
+    with pytest.raises(wagma_comm.MismatchError):
+        if RANK == 0:
+            shared.allreduce(x, "sum", algorithm=SHARED, async_op=True).wait()
+        else:
+            shared.allreduce(x, "max", algorithm=SHARED)
+    for i in range(2 * DEPTH):  # every row set reused, twice
+        y = np.full(3 * per_row, RANK + i, np.float64)
+        shared.allreduce(y, algorithm=SHARED, timeout=10.0)
+        assert np.all(y == SIZE * i + SIZE * (SIZE - 1) / 2)
+
+
+def test_a_failed_call_never_writes_its_buffer_later() -> None:
+    """Rank 0's call of many pieces times out while rank 1 is late; rank 0
+    then reuses its buffer. When rank 1 comes and rank 0 closes, the
+    pieces rank 0 had not finished must not be reduced into that buffer
+    (until session 35 close() finished them, into the caller's memory)."""
+    with own_communicator(30, "a late rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        x = np.ones(3 * per_row)
+        if RANK == 1:
+            time.sleep(1.5)
+            try:
+                c.allreduce(x, algorithm=SHARED, timeout=2.0)
+            except wagma_comm.WagmaError:
+                pass  # rank 0 gave up: whatever rank 1 gets is not under test
+        elif RANK == 0:
+            with pytest.raises(wagma_comm.CollectiveTimeoutError):
+                c.allreduce(x, algorithm=SHARED, timeout=0.5)
+            x[:] = 7.0  # the caller reuses its buffer
+        WORLD.Barrier()  # rank 1 has posted every piece
+        if RANK == 0:
+            c.close()
+            assert np.all(x == 7.0)
+
+
+def test_test_never_waits_for_a_waiting_thread_and_wait_keeps_its_timeout() -> None:
+    """A thread waits on a call whose peer is a second late; meanwhile
+    ``test()`` must answer at once and ``wait(timeout=)`` keep its timeout
+    (until session 35 both waited for the other thread's lock)."""
+    with own_communicator(30, "a late rank needs two ranks") as c:
+        if RANK == 1:
+            time.sleep(1.5)
+        handle = c.allreduce(np.ones(4), async_op=True)
+        if RANK == 0:
+            waiter = threading.Thread(target=handle.wait)
+            waiter.start()
+            time.sleep(0.2)  # the waiter holds the call
+            start = time.monotonic()
+            assert not handle.test()
+            assert time.monotonic() - start < 0.3
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.WaitTimeoutError):
+                handle.wait(timeout=0.2)
+            assert time.monotonic() - start < 0.6
+            waiter.join()
+        handle.wait()
+
+
+def test_a_call_behind_one_with_a_longer_timeout_fails_at_its_own_deadline() -> None:
+    """DEPTH calls with a long timeout that nobody joins, then one with a
+    short timeout on the same row set: that one times out at its own
+    deadline (until session 35 it waited for the first call's)."""
+    with own_communicator(30, "a missing rank needs two ranks") as c:
+        if RANK == 0:
+            pending = [c.allreduce(np.ones(4), async_op=True, timeout=6.0)
+                       for _ in range(DEPTH)]
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.allreduce(np.ones(4), timeout=0.5)
+            assert time.monotonic() - start < 3.0
+            assert info.value.round == DEPTH and 1 in info.value.ranks
+            for handle in pending:
+                with pytest.raises(wagma_comm.WagmaError):
+                    handle.wait()
 
 
 def test_nan_with_max_raises_on_every_rank_after_the_exchange(

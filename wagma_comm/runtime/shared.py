@@ -341,13 +341,25 @@ class SharedExchange:
         of the piece DEPTH earlier have not all read this rank's row (or, not
         ``wait_turn``, another thread is finishing that piece)."""
         call, plan, k, seq = pending.call, pending.plan, pending.k, pending.seq
+        data = pending.data  # None: it finished (failed) unpublished, so it is dropped
+        if data is None:
+            return True
         row_set = k % DEPTH
         previous = self._last[row_set]
         if previous is not None:
-            if not previous.finished and not previous.complete(
-                    previous.deadline if until is None else until, False, wait_turn):
-                return False
             try:
+                # Bounded by this call's deadline too: an earlier call may have
+                # a longer timeout than this one.
+                if not previous.finished and not previous.complete(
+                        min(previous.deadline, pending.deadline) if until is None else until,
+                        False, wait_turn):
+                    if until is not None and time.monotonic() <= pending.deadline:
+                        return False
+                    raise CollectiveTimeoutError(
+                        call.collective, seq, self._missing(
+                            previous.plan.arrive, previous.plan.sources, previous.k + 1, 0),
+                        f"round {previous.seq} before it on this rank's row set did not "
+                        "finish in time (shared-memory exchange)")
                 if not self.wait(previous.plan.done, previous.call.members, previous.k + 1,
                                  pending.deadline, call.collective, seq,
                                  f"they had not yet read this rank's part of round "
@@ -358,7 +370,7 @@ class SharedExchange:
                 self._on_failure(exc)  # this call never arrives: the others' time out too
                 raise
         if plan.writes_row:
-            np.copyto(plan.row, pending.data)
+            np.copyto(plan.row, data)
         words = self._words
         if self._texts[row_set] is not call.encoded:
             text = self.segment.control[row_set, self.rank, TEXT_OFFSET:]
@@ -370,6 +382,8 @@ class SharedExchange:
         # Last: x86-64 makes every store above visible before this one.
         words[plan.my_arrive] = k + 1
         pending.published = True
+        if pending.finished:  # failed meanwhile on another thread, which saw it unpublished
+            words[plan.my_done] = k + 1
         self._last[row_set] = pending
         return True
 
@@ -535,7 +549,7 @@ class Pending:
 
     __slots__ = ("exchange", "k", "seq", "call", "plan", "data", "deadline", "timeout",
                  "finished", "error", "handle", "value", "on_done", "warned", "looked",
-                 "earlier", "counted", "published", "_lock")
+                 "earlier", "counted", "published", "abandoned", "_lock")
 
     def __init__(self, exchange: SharedExchange, k: int, seq: int, call: SharedCall,
                  plan: _Plan, data: np.ndarray, deadline: float, timeout: float) -> None:
@@ -553,20 +567,24 @@ class Pending:
         self.earlier: Sequence[Pending] = ()  # the call's other pieces (its last piece only)
         self.counted = True  # counts as a call in statistics (a call's last piece)
         self.published = False  # its row and arrive word are written (step 1)
+        self.abandoned: WagmaError | None = None  # its call failed: reduce nothing
         self._lock = threading.Lock()  # one completer: a waiter, a later post, close
 
     def complete(self, until: float, raise_error: bool = True, wait_turn: bool = True) -> bool:
         """Wait for every member's row until ``until``; reduce them into the
         buffer. True once finished; raises its error (``raise_error``).
         ``wait_turn=False``: False at once if another thread is finishing it."""
-        if not self._lock.acquire(wait_turn):
+        if not self._take_turn(until, wait_turn):
             return False
         try:
             if not self.finished:
                 try:
-                    if not (self._earlier_finished(until, wait_turn)
-                            and (self.published
-                                 or self.exchange.publish_through(self, until, wait_turn))
+                    # Published first (and every piece before it): a piece that
+                    # fails must still have its row and words out, or its peers
+                    # would wait for them.
+                    if not ((self.published
+                             or self.exchange.publish_through(self, until, wait_turn))
+                            and self._earlier_finished(until, wait_turn)
                             and self._run(until)):
                         return False
                     if self.on_done is not None:
@@ -575,12 +593,33 @@ class Pending:
                     self.error = exc
                     if isinstance(exc, (CollectiveTimeoutError, RankFailedError)):
                         self.exchange._on_failure(exc)  # a member is gone or stuck
+                    for piece in self.earlier:  # none may write the buffer after this
+                        piece.abandon(exc)
                 self._finish()
         finally:
             self._lock.release()
         if self.error is not None and raise_error:
             raise self.error
         return True
+
+    def _take_turn(self, until: float, wait_turn: bool) -> bool:
+        """This piece's lock: at once, or (``wait_turn``) until ``until``."""
+        if not wait_turn:
+            return self._lock.acquire(False)
+        return self._lock.acquire(timeout=max(0.0, until - time.monotonic()))
+
+    def abandon(self, error: WagmaError) -> None:
+        """Its call failed: never reduce into the caller's buffer now. Failed
+        here unless another thread is finishing it, which then checks
+        ``abandoned`` before it reduces."""
+        self.abandoned = error
+        if self._lock.acquire(False):
+            try:
+                if not self.finished:
+                    self.error = error
+                    self._finish()
+            finally:
+                self._lock.release()
 
     def try_complete(self) -> bool:
         """The progress thread's poll: finish if every row is there, never
@@ -589,7 +628,7 @@ class Pending:
 
     def fail(self, error: WagmaError) -> bool:
         """Fail it with ``error`` unless it finished; True if this failed it."""
-        with self._lock:
+        with self._lock:  # (close, the progress thread: not under another piece's lock)
             if self.finished:
                 return False
             self.error = error
@@ -622,7 +661,12 @@ class Pending:
 
     def _reduce(self) -> None:
         self._check_prints()
+        self._check_abandoned()
         self.plan.reduce(self.data)
+
+    def _check_abandoned(self) -> None:
+        if self.abandoned is not None:
+            raise self.abandoned
 
     def _check_prints(self) -> None:
         """Every member describes the same call (else MismatchError)."""
@@ -649,9 +693,9 @@ class Pending:
         it without its row, and the word would also say this rank read
         pieces of its row set it may still be reading."""
         exchange = self.exchange
+        self.finished = True  # before looking at published: _publish looks the other way
         if self.published:
             exchange._words[self.plan.my_done] = self.k + 1
-        self.finished = True
         if self.counted:  # a call's last piece
             if self.error is None:
                 exchange.completed += 1
@@ -672,7 +716,7 @@ class Pending:
         """Handle.test: finish if every row is there, without waiting; if not,
         yield the core, as a failed poll does elsewhere (a loop of test()
         calls would otherwise keep it from the peers it waits for)."""
-        self.complete(0.0, raise_error=False)
+        self.complete(0.0, raise_error=False, wait_turn=False)  # never waits for a waiter
         if not self.finished:
             os.sched_yield()
 
@@ -695,6 +739,7 @@ class SplitPending(Pending):
             if not self._arrived(until):
                 return False
             self._check_prints()
+            self._check_abandoned()
             share = plan.share
             plan.reduce(data[share])
             np.copyto(plan.row[share], data[share])  # no other member reads it before this
@@ -708,6 +753,7 @@ class SplitPending(Pending):
                     (word,), (member,), want, self.deadline, call.collective, self.seq,
                     "its share was not reduced (shared-memory exchange)", until, self):
                 return False
+            self._check_abandoned()
             np.copyto(data[where], share)
             self.gathered += 1
         return True
