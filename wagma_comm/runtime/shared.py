@@ -603,10 +603,11 @@ class Pending:
         return True
 
     def _take_turn(self, until: float, wait_turn: bool) -> bool:
-        """This piece's lock: at once, or (``wait_turn``) until ``until``."""
-        if not wait_turn:
-            return self._lock.acquire(False)
-        return self._lock.acquire(timeout=max(0.0, until - time.monotonic()))
+        """This piece's lock: at once, or (``wait_turn``) until ``until``.
+        (A timed acquire costs 0.6 us even when the lock is free.)"""
+        if self._lock.acquire(False):
+            return True
+        return wait_turn and self._lock.acquire(timeout=max(0.0, until - time.monotonic()))
 
     def abandon(self, error: WagmaError) -> None:
         """Its call failed: never reduce into the caller's buffer now. Failed
@@ -661,7 +662,8 @@ class Pending:
 
     def _reduce(self) -> None:
         self._check_prints()
-        self._check_abandoned()
+        if self.abandoned is not None:
+            raise self.abandoned
         self.plan.reduce(self.data)
 
     def _check_abandoned(self) -> None:
