@@ -258,6 +258,29 @@ def test_grace_counts_a_member_a_moment_behind_fresh(comm: Communicator, grace: 
 
 
 @needs_peers
+def test_members_that_step_together_without_publishing_do_not_wait_out_the_grace(
+        comm: Communicator) -> None:
+    """Every rank steps at once (a barrier), none publishes first. Each must
+    publish its model before its grace wait, so the others see it arrived:
+    every round is fresh for every member and nobody waits long (until
+    session 35 all waited out the grace for each other, and whoever woke
+    first counted the others stale)."""
+    compute, grace = 0.2, 1.0  # a grace of 0.2 s against waits of microseconds
+    w = _wagma(comm, np.zeros(4), min(4, SIZE), sync_every=100, grace=grace)
+    w.step(np.zeros(4))  # round 0: starts the compute clock
+    stale = 0
+    for t in range(1, 6):
+        time.sleep(compute)
+        WORLD.Barrier()
+        info = w.step(np.full(4, float(RANK)))
+        stale += len(info.group) - len(info.fresh)
+    stats = w.statistics()
+    assert stale == 0, stats
+    assert stats["grace_wait_time_s"] < 5 * grace * compute / 2, stats
+    w.close()
+
+
+@needs_peers
 def test_grace_is_bounded_and_skips_a_member_two_rounds_behind(comm: Communicator) -> None:
     """The slow rank publishes nothing after round 0. Round 1: it is one
     round behind, so its group's first member waits out the grace (a

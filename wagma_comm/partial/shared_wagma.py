@@ -253,10 +253,11 @@ class SharedWaitAvoidingGroupAllreduce:
     def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
         members = self._members(t)
         me, words = self.rank, self._board.words
-        waited = self._await_one_behind(t, members)
+        waited = self._await_one_behind(t, members, data)
         held = self._hold_all(members, t)
         try:
-            self._write_published(data, t)
+            if waited is None:  # else published before the wait
+                self._write_published(data, t)
             newest = int(words[me][RESULT])
             if newest < t:  # first to arrive: this rank runs the round for the group
                 self._run_round(t, members)
@@ -303,7 +304,8 @@ class SharedWaitAvoidingGroupAllreduce:
         self._compute_s = (gap if self._compute_s is None
                            else self._compute_s + COMPUTE_SMOOTHING * (gap - self._compute_s))
 
-    def _await_one_behind(self, t: int, members: tuple[int, ...]) -> float | None:
+    def _await_one_behind(self, t: int, members: tuple[int, ...],
+                          data: np.ndarray) -> float | None:
         """The grace (opt-in): before running round ``t``, wait at most
         ``grace`` times this rank's mean compute time for the members whose
         published model is of round ``t - 1``, so that a peer a moment
@@ -321,6 +323,9 @@ class SharedWaitAvoidingGroupAllreduce:
 
         if not self.grace or self._compute_s is None or not worth_waiting():
             return None
+        # This rank's model first: a peer in its own grace then sees it
+        # arrived, instead of both waiting for each other.
+        self._publish(data, t)
         start = now = time.monotonic()
         deadline = start + self.grace * self._compute_s
         while now < deadline and worth_waiting():
