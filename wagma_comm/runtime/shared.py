@@ -330,9 +330,8 @@ class SharedExchange:
         (``_post_lock`` held); False at ``until``."""
         queue = self._queue
         while queue and not (through is not None and through.published):
-            if not queue[0].finished:  # (one that failed unpublished is dropped)
-                if not self._publish(queue[0], until, wait_turn):
-                    return False
+            if not self._publish(queue[0], until, wait_turn):  # (drops a failed one)
+                return False
             queue.popleft()
         return True
 
@@ -629,7 +628,7 @@ class Pending:
 
     def fail(self, error: WagmaError) -> bool:
         """Fail it with ``error`` unless it finished; True if this failed it."""
-        with self._lock:  # (close, the progress thread: not under another piece's lock)
+        with self._lock:
             if self.finished:
                 return False
             self.error = error
@@ -662,8 +661,7 @@ class Pending:
 
     def _reduce(self) -> None:
         self._check_prints()
-        if self.abandoned is not None:
-            raise self.abandoned
+        self._check_abandoned()
         self.plan.reduce(self.data)
 
     def _check_abandoned(self) -> None:
