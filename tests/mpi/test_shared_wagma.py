@@ -170,6 +170,47 @@ def test_async_steps_return_handles_and_a_sync_round_overlaps(comm: Communicator
 
 
 @needs_peers
+def test_an_unwaited_sync_round_is_published_before_the_next_step(
+        comm: Communicator) -> None:
+    """Round 0 is synchronous (first_round=9, sync_every=10) and nobody waits
+    on its handle before stepping round 1. Round 1 must still come after it
+    on the board: each rank's slot then holds its round-1 model, which round
+    2's first arrival sums. Before session 36 the sync result was published
+    only at wait(), over the round-1 model, with round 0's number."""
+    group_size = 2
+    w = _wagma(comm, np.zeros(4), group_size, sync_every=10, first_round=9)
+    synced = np.full(4, float(RANK))
+    h = w.step(synced, async_op=True)
+    w.step(np.full(4, 100.0 + RANK))
+    WORLD.Barrier()  # every rank's round-1 model is on the board
+    assert h.wait().synchronized
+    assert np.all(synced == sum(range(SIZE)) / SIZE)
+    WORLD.Barrier()
+    model = np.full(4, 200.0 + RANK)
+    info = w.step(model)  # nobody published round 2: the activator's own model is new
+    a = info.activator
+    total = sum(200.0 + m if m == a else 100.0 + m for m in info.group)
+    assert info.round == 2 and np.all(model == (total + 200.0 + RANK) / (len(info.group) + 1)), \
+        (info, model)
+    w.close()
+
+
+@needs_peers
+def test_close_before_waiting_on_a_sync_round_finishes_it(comm: Communicator) -> None:
+    """close() right after an async sync step: the round completes (close
+    settles it before unmapping the board) and its handle still returns it;
+    before session 36 wait() raised IndexError from the unmapped board."""
+    w = _wagma(comm, np.zeros(4), 2, sync_every=10, first_round=9)
+    model = np.full(4, float(RANK))
+    h = w.step(model, async_op=True)
+    w.close()
+    info = h.wait()
+    assert info.synchronized and info.round == 0
+    assert np.all(model == sum(range(SIZE)) / SIZE)
+    assert w.statistics()["completed_round"] == 0
+
+
+@needs_peers
 def test_a_rank_that_stops_stepping_is_named_at_the_sync_round() -> None:
     c = wagma_comm.init(timeout=30)
     w = _wagma(c, np.zeros(2), 2, sync_every=3, timeout=1.0)

@@ -157,6 +157,7 @@ class SharedWaitAvoidingGroupAllreduce:
         self._app_round = 0
         self._completed = -1
         self._pending: dict[int, Any] = {}  # none: read by the communicator's exit report
+        self._unsettled: _Continued | None = None  # an async sync round not yet waited on
         self._error: WagmaError | None = None
         self._closed = False
         self._liveness_checked = 0.0
@@ -172,6 +173,7 @@ class SharedWaitAvoidingGroupAllreduce:
         round without arriving at it; ``ready`` changes nothing here (module
         docstring)."""
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
+        self._settle_sync_round()
         self._check_usable()
         self._publish(data, self._app_round)
 
@@ -180,6 +182,7 @@ class SharedWaitAvoidingGroupAllreduce:
         by the round's result. Returns a RoundInfo (or a handle whose
         ``wait()`` returns it)."""
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
+        self._settle_sync_round()
         self._check_usable()
         t = self._app_round
         self._app_round += 1
@@ -187,7 +190,10 @@ class SharedWaitAvoidingGroupAllreduce:
         self._measure_compute(started)
         if is_sync_round(self.first_round + t, self.sync_every):
             handle = self._sync_round(t, buf, data, started)
-            return handle if async_op else handle.wait()
+            if not async_op:
+                return handle.wait()
+            self._unsettled = handle
+            return handle
         info = self._group_round(t, data, started)
         self._left_step = time.monotonic()
         if not async_op:
@@ -201,6 +207,7 @@ class SharedWaitAvoidingGroupAllreduce:
         with ``buf``, one extra global mean of it (as a sync round)."""
         data = None if buf is None else check_step_buffer(
             self.kind, self.count, self.dtype, buf)[0]
+        self._settle_sync_round()
         self._check_usable()
         self._agree("flush")
         self.telemetry.flushes += 1
@@ -217,6 +224,7 @@ class SharedWaitAvoidingGroupAllreduce:
             return
         self._closed = True
         try:
+            self._settle_sync_round()
             if self._error is None and not self._comm.closed:
                 self._agree("close")
         finally:
@@ -432,17 +440,32 @@ class SharedWaitAvoidingGroupAllreduce:
         def then(error: BaseException | None) -> RoundInfo:
             if error is not None:
                 raise self._named(error, t, "synchronous round")
-            self._publish(data, t)
+            if not self._board.closed:  # else nobody reads this rank's slot any more
+                self._publish(data, t)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
                 self._left_step = time.monotonic()
                 self.telemetry.record_call(0, time.monotonic() - started, True)
                 self.telemetry.fresh_contributions += 1
-                self._completed = t
+                self._completed = max(self._completed, t)
             return RoundInfo(round=t, step=None, group=self._everyone, activator=None,
                              fresh=self._everyone, staleness=0, synchronized=True,
                              iteration=t)
         return _Continued(inner, then)
+
+    def _settle_sync_round(self) -> None:
+        """Finish a sync round that ``step(async_op=True)`` left running: its
+        result is published on the board when it completes, which must come
+        before any later round's publish (the board keeps one model per rank,
+        of one round) and before close() unmaps the board. Its error stays
+        with its handle and breaks this collective (``_named``)."""
+        handle, self._unsettled = self._unsettled, None
+        if handle is None:
+            return
+        try:
+            handle.wait()
+        except WagmaError:
+            pass  # the handle raises it to its own caller; self._error is set
 
     def _agree(self, what: str) -> None:
         """Collective: every rank's step count, compared (a rank that stepped

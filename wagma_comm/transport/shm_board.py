@@ -96,6 +96,10 @@ class Board:
         except FileNotFoundError:
             pass
 
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
     def close(self) -> None:
         """Unmap (local). Views still held elsewhere keep the mapping alive."""
         memory, self._map = self._map, None
