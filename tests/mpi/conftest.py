@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from typing import Iterator
 
 import numpy as np
@@ -162,6 +163,42 @@ def mismatched_creations_are_refused(comm: wagma_comm.Communicator, make: object
         make(rank == 0)  # type: ignore[operator]
     assert sorted(info.value.ranks) == ([0] if rank else list(range(1, size)))
     assert what in str(info.value)
+    ones = np.ones(2, np.float64)
+    comm.allreduce(ones)
+    assert np.all(ones == size)
+
+
+FINAL_CALLS = {
+    "close": ("close()", lambda w: w.close()),
+    "flush": ("flush() without a round", lambda w: w.flush()),
+    "flush(buf)": ("flush() with a round", lambda w: w.flush(np.ones(4))),
+}
+
+
+def mismatched_final_calls_are_named(comm: wagma_comm.Communicator, make: object,
+                                     rank0: str, others: str, steps: tuple[int, int] = (1, 1)
+                                     ) -> None:
+    """``make()`` creates a partial collective of 4 float64; rank 0 takes
+    ``steps[0]`` steps and ends with ``rank0``, the others take ``steps[1]``
+    and end with ``others`` (keys of FINAL_CALLS). Every rank must get
+    MismatchError from that call naming the ranks that differ and what they
+    called (not a timeout in a round only some of them run), the collective
+    is then released locally, and the communicator stays usable."""
+    rank, size = comm.rank, comm.size
+    w = make()  # type: ignore[operator]
+    for _ in range(steps[0] if rank == 0 else steps[1]):
+        w.step(np.zeros(4))
+    name, call = FINAL_CALLS[rank0 if rank == 0 else others]
+    started = time.monotonic()
+    with pytest.raises(wagma_comm.MismatchError) as info:
+        call(w)
+    assert time.monotonic() - started < 0.5 * TEST_TIMEOUT_S  # named, not timed out
+    assert sorted(info.value.ranks) == ([0] if rank else list(range(1, size)))
+    theirs = FINAL_CALLS[others if rank == 0 else rank0][0]
+    mine_steps, their_steps = (steps[0], steps[1]) if rank == 0 else (steps[1], steps[0])
+    assert f"{theirs} after {their_steps} steps" in str(info.value), info.value
+    assert f"{name} after {mine_steps} steps" in str(info.value), info.value
+    w.close()  # broken: released here
     ones = np.ones(2, np.float64)
     comm.allreduce(ones)
     assert np.all(ones == size)

@@ -22,6 +22,7 @@ from wagma_comm import Communicator, RoundInfo
 from wagma_comm.partial.shared_wagma import MODEL_MAX_BYTES
 
 from conftest import (message_path, mismatched_creations_are_refused,
+                      mismatched_final_calls_are_named,
                       step_into_a_missing_sync_round, wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
@@ -102,7 +103,7 @@ def test_both_paths_give_the_same_rounds_when_everyone_published(
         on_board = _wagma(comm, init, group_size, 4, normalization=normalization)
         on_messages = comm.wait_avoiding_group_allreduce(
             init, group_size, 4, normalization=normalization, algorithm="recursive_doubling")
-        assert "path" not in on_messages.statistics()
+        assert on_messages.statistics()["path"] == "messages"
         for t in range(9):
             x = rng.integers(-50, 50, 33).astype(np.float32)
             a, b = x.copy(), x.copy()
@@ -233,6 +234,19 @@ def test_close_after_different_step_counts_names_the_ranks(comm: Communicator) -
         w.close()
     expected = tuple(r for r in range(SIZE) if r != RANK) if RANK == SLOW else (SLOW,)
     assert info.value.ranks == expected and "close() after" in str(info.value)
+
+
+@needs_peers
+@pytest.mark.parametrize("rank0,others,steps", [
+    ("close", "flush(buf)", (1, 1)), ("flush", "flush(buf)", (1, 1)),
+    ("flush", "close", (1, 1)), ("flush(buf)", "flush(buf)", (2, 1))])
+def test_ranks_that_end_differently_are_named(comm: Communicator, rank0: str,
+                                              others: str, steps: tuple[int, int]) -> None:
+    """As on the message path (test_partial.py): before session 36 only
+    step counts were compared, so a flush(buf) against a close() or flush()
+    elsewhere waited for an allreduce only it ran."""
+    mismatched_final_calls_are_named(
+        comm, lambda: _wagma(comm, np.zeros(4), 2, sync_every=100), rank0, others, steps)
 
 
 @needs_peers
@@ -407,6 +421,6 @@ def test_explicit_shared_memory_is_refused_where_it_cannot_run() -> None:
         with pytest.raises(wagma_comm.UnsupportedError, match="board"):
             c.wait_avoiding_group_allreduce(big, 1, 2, algorithm=SHARED)
         w = c.wait_avoiding_group_allreduce(big, 1, 2)  # the message path, by default
-        assert "path" not in w.statistics()
+        assert w.statistics()["path"] == "messages"
         w.close()
         c.close()

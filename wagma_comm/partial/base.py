@@ -53,6 +53,23 @@ from .info import RoundInfo, Telemetry
 _TOKEN_WORDS = 4  # collective id, round, root, sender
 # The round of a token that says "closed: no more tokens from me" (close()).
 _CLOSED_MARK = -1
+FLUSH, FLUSH_ROUND, CLOSE = 1, 2, 3
+"""What a rank called at the end (flush without a synchronous round, flush
+with one, close), exchanged with its step count so that ranks that called
+different ones are named at once instead of waiting for a round only some
+of them run."""
+FINAL_CALL_NAMES = {FLUSH: "flush() without a round", FLUSH_ROUND: "flush() with a round",
+                    CLOSE: "close()"}
+
+
+def final_call_differences(mine: tuple[int, int],
+                           peers: dict[int, tuple[int, int]]) -> tuple[dict[int, str], str]:
+    """(step count, FLUSH/FLUSH_ROUND/CLOSE) of this rank and of each peer:
+    the peers that differ, described, and this rank's own description."""
+    def describe(steps: int, call: int) -> str:
+        return f"{FINAL_CALL_NAMES.get(call, f'call {call}')} after {steps} steps"
+    differ = {r: describe(*v) for r, v in peers.items() if v != mine}
+    return differ, describe(*mine)
 # A synchronous round's arrival check times out this fraction of the
 # timeout before its data exchange, so its error (naming the ranks that never
 # arrived) is the one the round fails with.
@@ -301,7 +318,8 @@ class PartialCollective:
                          sync_every=self.sync_every, first_round=self.first_round,
                          iteration=self._app_round,
                          started_round=self._started, completed_round=self._completed,
-                         broken=None if self._error is None else str(self._error))
+                         broken=None if self._error is None else str(self._error),
+                         path="messages")
         stats.update(self._extra_statistics())
         return stats
 
@@ -555,7 +573,8 @@ class PartialCollective:
         self._final_count += 1
         everyone = tuple(range(self.size))
         if call.kind == "close" or (call.data is None and not self._flush_needs_data()):
-            stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, call.kind)]
+            what = CLOSE if call.kind == "close" else FLUSH
+            stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, what)]
             self._launch(k, stages, lambda res, err: self._final_done(call, None, err),
                          space="final")
             return
@@ -563,7 +582,7 @@ class PartialCollective:
         with self._lock:
             self._flush_snapshot(buf[:self.count], call)
         self._set_flags(buf, everyone, True)
-        stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, call.kind),
+        stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, FLUSH_ROUND),
                   self._data_stage(self._ch_fdata, buf, everyone, "flush data exchange")]
 
         def done(res: Any, err: BaseException | None) -> None:
@@ -605,22 +624,25 @@ class PartialCollective:
         sched = algorithms.compile_allreduce(self.rank, members, n, "sum", name)
         return Stage(sched, channel, {DATA: buf[:n]}, self.dtype, label=label)
 
-    def _arrival_stage(self, channel: str, seq: int, value: int, final: str | None) -> Stage:
-        """All-to-all of one int64 per rank before a synchronous round: who is
-        missing is then exactly who this rank is still waiting for."""
+    def _arrival_stage(self, channel: str, seq: int, value: int, final: int | None) -> Stage:
+        """All-to-all of two int64 per rank before a synchronous round (the
+        round or step count, and for a flush or close which one: FLUSH,
+        FLUSH_ROUND, CLOSE): who is missing is then exactly who this rank is
+        still waiting for, and at a flush or close a rank that counted or
+        called differently is named."""
         everyone = tuple(range(self.size))
-        sched = algorithms.compile_exchange(self.rank, everyone, 1)
-        mine = np.array([value], dtype=np.int64)
-        peers = np.zeros(self.size, dtype=np.int64)
+        sched = algorithms.compile_exchange(self.rank, everyone, 2)
+        mine = np.array([value, final or 0], dtype=np.int64)
+        peers = np.zeros(2 * self.size, dtype=np.int64)
 
         def compare() -> None:
             if final is None:
                 return
-            peers[self.rank] = value
-            differ = {r: f"{final}() after {int(v)} steps" for r, v in enumerate(peers)
-                      if v != value}
+            peers[2 * self.rank:2 * self.rank + 2] = mine
+            seen = {r: (int(peers[2 * r]), int(peers[2 * r + 1])) for r in everyone}
+            differ, own = final_call_differences((value, final), seen)
             if differ:
-                raise MismatchError(self.kind, value, differ, f"{final}() after {value} steps")
+                raise MismatchError(self.kind, value, differ, own)
         return Stage(sched, channel, {DATA: mine, algorithms.EXCHANGE_SCRATCH: peers}, INT64,
                      on_done=compare,
                      label="arrival check (ranks that did not call step/flush/close)")

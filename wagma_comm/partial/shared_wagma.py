@@ -57,7 +57,8 @@ from ..runtime.handle import Handle
 from ..schedule import algorithms
 from ..transport import shm_lock
 from ..transport.shm_board import ACTIVATOR, HOLDER, PUBLISHED, RESULT, Board
-from .base import agree, check_first_round, check_step_buffer, check_sync_every
+from .base import (CLOSE, FLUSH, FLUSH_ROUND, agree, check_first_round, check_step_buffer,
+                   check_sync_every, final_call_differences)
 from .info import RoundInfo, Telemetry
 from .wagma import WaitAvoidingGroupAllreduce, check_options
 
@@ -209,7 +210,7 @@ class SharedWaitAvoidingGroupAllreduce:
             self.kind, self.count, self.dtype, buf)[0]
         self._settle_sync_round()
         self._check_usable()
-        self._agree("flush")
+        self._agree("flush", FLUSH if data is None else FLUSH_ROUND)
         self.telemetry.flushes += 1
         if data is None:
             return None
@@ -226,7 +227,7 @@ class SharedWaitAvoidingGroupAllreduce:
         try:
             self._settle_sync_round()
             if self._error is None and not self._comm.closed:
-                self._agree("close")
+                self._agree("close", CLOSE)
         finally:
             self._board.close()
 
@@ -467,18 +468,19 @@ class SharedWaitAvoidingGroupAllreduce:
         except WagmaError:
             pass  # the handle raises it to its own caller; self._error is set
 
-    def _agree(self, what: str) -> None:
-        """Collective: every rank's step count, compared (a rank that stepped
-        a different number of times is named)."""
-        counts = np.zeros(self.size, dtype=np.int64)
-        counts[self.rank] = self._app_round
+    def _agree(self, what: str, call: int) -> None:
+        """Collective: every rank's step count and final call (FLUSH,
+        FLUSH_ROUND or CLOSE), compared; a rank that stepped a different
+        number of times or called something else is named."""
+        seen = np.zeros((2, self.size), dtype=np.int64)
+        seen[:, self.rank] = self._app_round, call
         try:
-            self._comm.allreduce(counts, "sum", timeout=self.timeout)
+            self._comm.allreduce(seen, "sum", timeout=self.timeout)
         except CollectiveError as exc:
             raise self._named(exc, self._app_round, f"{what}()") from None
-        mine = f"{what}() after {self._app_round} steps"
-        differ = {r: f"{what}() after {int(n)} steps" for r, n in enumerate(counts)
-                  if n != self._app_round}
+        differ, mine = final_call_differences(
+            (self._app_round, call),
+            {r: (int(seen[0, r]), int(seen[1, r])) for r in range(self.size)})
         if differ:
             raise self._break(MismatchError(self.kind, self._app_round, differ, mine))
 
