@@ -97,6 +97,30 @@ def main() -> None:
                 while not handle.test():
                     time.sleep(0.001)
             record(comm, poll)
+    elif CASE == "board_lock":  # round 1 of WAGMA on the board, all ranks one group
+        # The victim dies holding its own board lock, its published model
+        # half rewritten (NaN): every survivor must be told, not only the
+        # first to take that lock, and none may average the torn model.
+        model = np.zeros(1 << 10, np.float32)
+        wagma = comm.wait_avoiding_group_allreduce(model, group_size=comm.size,
+                                                   sync_every=1000)
+        assert wagma.statistics()["path"] == "shared_memory"
+        wagma.step(model)  # round 0
+        comm.barrier()
+        if victim:
+            wagma._hold(me, 1, time.monotonic() + TIMEOUT)  # as a round or publish does
+            wagma._published[me][: model.size // 2] = np.nan
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)  # the victim is dead
+
+        def board_steps() -> None:
+            for _ in range(50):
+                mine = np.ones_like(model)
+                wagma.step(mine)
+                if np.isnan(mine).any():
+                    raise wagma_comm.WagmaError("a round averaged the dead rank's torn model")
+                time.sleep(0.002)
+        record(comm, board_steps)
     elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
         if victim:
             die_soon(0.01)

@@ -56,7 +56,7 @@ from ..runtime.activation import group_step, is_sync_round
 from ..runtime.handle import Handle
 from ..schedule import algorithms
 from ..transport import shm_lock
-from ..transport.shm_board import ACTIVATOR, HOLDER, PUBLISHED, RESULT, Board
+from ..transport.shm_board import ACTIVATOR, DIED, HOLDER, PUBLISHED, RESULT, Board
 from .base import (CLOSE, FLUSH, FLUSH_ROUND, agree, check_first_round, check_step_buffer,
                    check_sync_every, final_call_differences)
 from .info import RoundInfo, Telemetry
@@ -411,19 +411,26 @@ class SharedWaitAvoidingGroupAllreduce:
         return held
 
     def _hold(self, m: int, t: int, deadline: float) -> None:
-        words = self._board.words[m]
+        """Rank ``m``'s lock. A rank that died holding it may have left its
+        slot half written: the first to hold it after the death marks the
+        slot (DIED), so that every later holder raises RankFailedError too
+        instead of reading the torn model as data."""
+        words, lock = self._board.words[m], self._board.locks[m]
         try:
-            shm_lock.acquire(self._board.locks[m], deadline)
+            survived = shm_lock.acquire(lock, deadline)
         except shm_lock.LockTimeout:
             holder = int(words[HOLDER])
             raise self._break(CollectiveTimeoutError(
                 self.kind, t, [holder], f"rank {holder} held rank {m}'s board slot for "
                 f"more than {self.timeout:g} s")) from None
-        except shm_lock.OwnerDied:
-            holder = int(words[HOLDER])
+        if not survived or words[DIED] >= 0:
+            if words[DIED] < 0:
+                words[DIED] = words[HOLDER]
+            dead = int(words[DIED])
+            shm_lock.release(lock)
+            slot = "its own board slot" if dead == m else f"rank {m}'s board slot"
             raise self._break(RankFailedError(
-                self.kind, t, [holder], f"rank {holder} died holding rank {m}'s board "
-                "slot")) from None
+                self.kind, t, [dead], f"rank {dead} died holding {slot}"))
         words[HOLDER] = self.rank
 
     def _release(self, held: list[int]) -> None:

@@ -13,7 +13,9 @@ One block per rank, each guarded by its own robust process-shared lock
     lock      LOCK_BYTES
     words     8 x int64: HOLDER (rank holding the lock), PUBLISHED (round of
               the published model, -1: the initial model), RESULT (the newest
-              round whose result is in this block, -1: none), ACTIVATOR
+              round whose result is in this block, -1: none), ACTIVATOR,
+              DIED (a rank that died holding the lock, -1: none; set by the
+              holder after it, so that every later holder is told too)
     flags     one byte per member of RESULT's group: its contribution was fresh
     published the model this rank last published
     result    the group sum of round RESULT, for this rank
@@ -33,7 +35,7 @@ import numpy as np
 from . import shm_lock
 from .shm import create_file
 
-HOLDER, PUBLISHED, RESULT, ACTIVATOR = 0, 1, 2, 3
+HOLDER, PUBLISHED, RESULT, ACTIVATOR, DIED = 0, 1, 2, 3, 4
 _WORDS = 8
 
 

@@ -37,11 +37,6 @@ class LockTimeout(Exception):
     """The lock was not free before the deadline."""
 
 
-class OwnerDied(Exception):
-    """The holder's process ended while holding the lock: what it guarded may
-    be half written. The lock is released (and usable) again."""
-
-
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     name = ctypes.util.find_library("c")
     try:
@@ -81,9 +76,12 @@ def init_lock(address: int) -> None:
         raise OSError(rc, f"pthread_mutex_init: {errno.errorcode.get(rc, rc)}")
 
 
-def acquire(address: int, deadline: float) -> None:
+def acquire(address: int, deadline: float) -> bool:
     """Lock the mutex at ``address``; ``deadline`` on ``time.monotonic()``.
-    Raises LockTimeout or OwnerDied (in which case the lock is not held)."""
+    Returns False where the previous holder's process ended while holding
+    it: the lock is then held (and usable again), but what it guarded may be
+    half written, and the caller must make sure that nobody after it reads
+    that as data (only it is told). Raises LockTimeout."""
     assert _LIBC is not None, UNAVAILABLE
     rc = _LIBC.pthread_mutex_trylock(address)  # the common, uncontended case
     if rc == errno.EBUSY:
@@ -92,13 +90,14 @@ def acquire(address: int, deadline: float) -> None:
         when = _Timespec(whole, int((deadline - whole) * 1e9))
         rc = _LIBC.pthread_mutex_clocklock(address, _CLOCK_MONOTONIC, ctypes.byref(when))
     if rc == 0:
-        return
+        return True
     if rc == errno.ETIMEDOUT:
         raise LockTimeout()
     if rc == errno.EOWNERDEAD:
+        # Not left inconsistent: glibc's trylock then returns ENOTRECOVERABLE
+        # still holding the lock word, which hangs every other process.
         _LIBC.pthread_mutex_consistent(address)
-        _LIBC.pthread_mutex_unlock(address)
-        raise OwnerDied()
+        return False
     raise OSError(rc, f"pthread_mutex_lock: {errno.errorcode.get(rc, rc)}")
 
 
@@ -107,5 +106,5 @@ def release(address: int) -> None:
     _LIBC.pthread_mutex_unlock(address)
 
 
-__all__ = ["LOCK_BYTES", "UNAVAILABLE", "LockTimeout", "OwnerDied", "init_lock",
+__all__ = ["LOCK_BYTES", "UNAVAILABLE", "LockTimeout", "init_lock",
            "acquire", "release"]
