@@ -260,6 +260,37 @@ def test_flush_is_a_global_mean_and_publishes_it(comm: Communicator) -> None:
     w.close()
 
 
+@needs_peers
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"], ids=["board", "messages"])
+def test_a_flushed_model_is_not_fresh_for_the_next_round(comm: Communicator,
+                                                           algorithm: str | None) -> None:
+    """After flush(model) a rank's slot holds the global mean, its model
+    after its last step; the next round's peers must count it stale until
+    it steps (or publishes) that round, as the message path does. Before
+    session 36 the board published the mean with the next round's number,
+    so the rank counted fresh in a round it never reached."""
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4), SIZE, sync_every=100,
+                                           algorithm=algorithm)
+    w.step(np.full(4, float(RANK)))
+    mean = np.full(4, float(RANK))
+    w.flush(mean)
+    fast = WORLD.Split(int(RANK == SLOW), RANK)
+    if RANK != SLOW:
+        model = np.full(4, 10.0)
+        w.publish(model)
+        fast.Barrier()
+        info = w.step(model)
+        assert info.round == 1 and SLOW not in info.fresh, info
+        assert info.fresh == tuple(r for r in range(SIZE) if r != SLOW), info
+        fast.Barrier()
+    WORLD.Barrier()
+    if RANK == SLOW:
+        info = w.step(np.full(4, 10.0))
+        assert info.round == 1 and SLOW not in info.fresh, info
+    w.close()
+    fast.Free()
+
+
 COMPUTE_S, LATE_S = 0.5, 0.2
 
 

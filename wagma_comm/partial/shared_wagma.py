@@ -377,17 +377,20 @@ class SharedWaitAvoidingGroupAllreduce:
         if failed is not None:
             raise self._break(failed(self.kind, t))
 
-    def _publish(self, data: np.ndarray, t: int) -> None:
-        self._hold(self.rank, t, time.monotonic() + self.timeout)
+    def _publish(self, data: np.ndarray, t: int | None) -> None:
+        self._hold(self.rank, self._app_round if t is None else t,
+                   time.monotonic() + self.timeout)
         try:
             self._write_published(data, t)
         finally:
             shm_lock.release(self._board.locks[self.rank])
 
-    def _write_published(self, data: np.ndarray, t: int) -> None:
-        """(this rank's lock held) ``data`` is this rank's model of round ``t``."""
+    def _write_published(self, data: np.ndarray, t: int | None) -> None:
+        """(this rank's lock held) ``data`` is this rank's model of round
+        ``t`` (None: of the round its slot already names)."""
         np.copyto(self._published[self.rank], data)
-        self._board.words[self.rank][PUBLISHED] = t
+        if t is not None:
+            self._board.words[self.rank][PUBLISHED] = t
 
     def _combine(self, out: np.ndarray, n: int) -> None:
         total = self._results[self.rank]
@@ -449,7 +452,9 @@ class SharedWaitAvoidingGroupAllreduce:
             if error is not None:
                 raise self._named(error, t, "synchronous round")
             if not self._board.closed:  # else nobody reads this rank's slot any more
-                self._publish(data, t)
+                # A flush's mean is this rank's model after its last step,
+                # not a model of the next round: its round number stays.
+                self._publish(data, t if counted else None)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
                 self._left_step = time.monotonic()
