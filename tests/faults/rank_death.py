@@ -97,21 +97,29 @@ def main() -> None:
                 while not handle.test():
                     time.sleep(0.001)
             record(comm, poll)
-    elif CASE == "board_lock":  # round 1 of WAGMA on the board, all ranks one group
+    elif CASE in ("board_lock", "board_lock_unnamed"):  # WAGMA's round 1 on the board
         # The victim dies holding its own board lock, its published model
         # half rewritten (NaN): every survivor must be told, not only the
         # first to take that lock, and none may average the torn model.
+        # "unnamed": it dies before writing its rank into the slot's HOLDER
+        # word (which still names an earlier holder), so the survivors must
+        # find it by liveness.
         model = np.zeros(1 << 10, np.float32)
         wagma = comm.wait_avoiding_group_allreduce(model, group_size=comm.size,
                                                    sync_every=1000)
         assert wagma.statistics()["path"] == "shared_memory"
         wagma.step(model)  # round 0
-        comm.barrier()
+        comm.barrier()  # every member is done with round 0 (and the victim's lock)
         if victim:
-            wagma._hold(me, 1, time.monotonic() + TIMEOUT)  # as a round or publish does
+            if CASE == "board_lock":
+                wagma._hold(me, 1, time.monotonic() + TIMEOUT)  # as a round or publish does
+            else:
+                from wagma_comm.transport import shm_lock
+                shm_lock.acquire(wagma._board.locks[me], time.monotonic() + TIMEOUT)
             wagma._published[me][: model.size // 2] = np.nan
+        comm.barrier()  # from here the survivors' steps wait for the victim's lock
+        if victim:
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.5)  # the victim is dead
 
         def board_steps() -> None:
             for _ in range(50):

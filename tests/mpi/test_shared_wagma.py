@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 import time
 from typing import Any
 
@@ -209,6 +210,61 @@ def test_close_before_waiting_on_a_sync_round_finishes_it(comm: Communicator) ->
     assert info.synchronized and info.round == 0
     assert np.all(model == sum(range(SIZE)) / SIZE)
     assert w.statistics()["completed_round"] == 0
+
+
+@needs_peers
+def test_a_sync_round_waited_on_by_another_thread_is_settled_once(
+        comm: Communicator) -> None:
+    """A thread waits on each async sync round while the main thread steps
+    the next round, which settles it too: the round must be published and
+    counted once (a lock in the handle), and every rank end with the same
+    models at the sync rounds."""
+    w = _wagma(comm, np.zeros(4), 2, sync_every=2)
+    digests = []
+
+    def check(waiter: threading.Thread, h: Any, synced: np.ndarray, r: int) -> None:
+        waiter.join()
+        assert h.wait().round == r and np.all(synced == r - 1 + sum(range(SIZE)) / SIZE)
+        digests.append(_digest(synced))
+
+    pending = None
+    for t in range(0, 20, 2):
+        w.step(np.full(4, float(t + RANK)))  # group round t: settles round t - 1
+        if pending is not None:
+            check(*pending)
+        synced = np.full(4, float(t + RANK))
+        h = w.step(synced, async_op=True)  # sync round t + 1
+        waiter = threading.Thread(target=h.wait)
+        waiter.start()
+        pending = (waiter, h, synced, t + 1)
+    check(*pending)
+    stats = w.statistics()
+    assert stats["sync_rounds"] == 10 and stats["rounds"] == 20, stats
+    assert all(d == digests for d in WORLD.allgather(digests))  # the same bits everywhere
+    w.close()
+
+
+@needs_peers
+def test_close_raises_the_error_of_a_sync_round_nobody_waited_on() -> None:
+    """The slow rank never steps, so the others' async sync round times out;
+    nobody waits on its handle, so close() (which settles it) must raise
+    that error rather than return as if the round had run. The handle
+    raises it too."""
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(2), 2, sync_every=1, timeout=1.0)  # every round synchronous
+    if RANK != SLOW:
+        h = w.step(np.zeros(2), async_op=True)
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            w.close()
+        assert info.value.round == 0 and SLOW in info.value.ranks, info.value
+        with pytest.raises(wagma_comm.CollectiveTimeoutError):
+            h.wait()
+        w.close()  # idempotent
+    WORLD.Barrier()
+    if RANK == SLOW:  # as in the test below: its close meets the others' sync round
+        with pytest.raises((wagma_comm.CollectiveTimeoutError, wagma_comm.MismatchError)):
+            w.close()
+    c.close(cancel=True)
 
 
 @needs_peers

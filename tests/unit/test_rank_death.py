@@ -42,6 +42,7 @@ CASES = {
     "shared_memory": ("allreduce", 1),
     "shared_memory_poll": ("allreduce", 1),  # found by the polls, not at the deadline
     "board_lock": ("wait_avoiding_group_allreduce", 1),  # died holding its board lock
+    "board_lock_unnamed": ("wait_avoiding_group_allreduce", 1),  # ... before saying so
     "exit": (None, None),  # no error to raise: the exit itself must not block
 }
 
@@ -82,7 +83,7 @@ def test_rank_death_ends_the_job_and_says_why(case: str, tmp_path: Path) -> None
         report, status = outcome["report"], outcome["status"]
         assert status == EXIT_CODE, (r, outcome)
         assert f"rank {r} exits (code {EXIT_CODE})" in stderr
-        if case.startswith("shared_memory") or case == "board_lock":
+        if case.startswith(("shared_memory", "board_lock")):
             # Waits and polls in the segment run in Python, never stuck in MPI:
             # each must see the death itself, well before the timeout.
             assert report is not None and report["elapsed"] < TIMEOUT_S, (r, outcome)

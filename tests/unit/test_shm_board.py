@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from wagma_comm.transport import shm_lock
-from wagma_comm.transport.shm_board import PUBLISHED, RESULT, Board, block_bytes
+from wagma_comm.transport.shm_board import DIED, PUBLISHED, RESULT, Board, block_bytes
 
 pytestmark = pytest.mark.skipif(shm_lock.UNAVAILABLE is not None,
                                 reason=str(shm_lock.UNAVAILABLE))
@@ -81,6 +81,7 @@ def test_the_board_is_laid_out_per_rank_and_shared_between_mappings() -> None:
         other = Board.attach(path, size, nbytes)
         for k in range(size):
             assert board.words[k][PUBLISHED] == -1 and board.words[k][RESULT] == -1
+            assert board.words[k][DIED] == -1  # nobody died holding its lock
             assert board.published[k].size == nbytes == board.result[k].size
             assert board.locks[k] % 64 == 0 and board.published[k].ctypes.data % 64 == 0
         board.published[1][:] = 7

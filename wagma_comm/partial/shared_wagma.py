@@ -33,6 +33,7 @@ unless said:
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -78,12 +79,20 @@ publishes meanwhile waits that long; bigger models take the message path."""
 class _Continued:
     """A Handle-like result of a step whose collective runs elsewhere (a sync
     round's allreduce): ``then`` turns its outcome into the step's RoundInfo,
-    once, on the thread that first sees it finished."""
+    once, on the thread that first sees it finished (the caller's wait, or
+    the collective's next call settling it: a lock keeps them from both
+    running it)."""
 
     def __init__(self, inner: Any, then: Callable[[BaseException | None], RoundInfo]) -> None:
         self.collective, self.round = inner.collective, inner.round
         self._inner, self._then = inner, then
         self._outcome: tuple[RoundInfo | None, BaseException | None] | None = None
+        self._settling = threading.Lock()
+
+    @property
+    def settled(self) -> bool:
+        """Whether some caller has already been given its outcome."""
+        return self._outcome is not None
 
     @property
     def done(self) -> bool:
@@ -94,11 +103,12 @@ class _Continued:
         return self._inner.elapsed
 
     def _settle(self, error: BaseException | None) -> RoundInfo:
-        if self._outcome is None:
-            try:
-                self._outcome = (self._then(error), None)
-            except BaseException as exc:  # the step's own error, raised to every caller
-                self._outcome = (None, exc)
+        with self._settling:
+            if self._outcome is None:
+                try:
+                    self._outcome = (self._then(error), None)
+                except BaseException as exc:  # the step's own error, raised to every caller
+                    self._outcome = (None, exc)
         info, exc = self._outcome
         if exc is not None:
             raise exc
@@ -191,10 +201,12 @@ class SharedWaitAvoidingGroupAllreduce:
         self._measure_compute(started)
         if is_sync_round(self.first_round + t, self.sync_every):
             handle = self._sync_round(t, buf, data, started)
-            if not async_op:
-                return handle.wait()
-            self._unsettled = handle
-            return handle
+            if async_op:  # the caller computes while it runs: that is compute time
+                self._unsettled = handle
+            else:
+                info = handle.wait()
+            self._left_step = time.monotonic()
+            return handle if async_op else info
         info = self._group_round(t, data, started)
         self._left_step = time.monotonic()
         if not async_op:
@@ -225,7 +237,9 @@ class SharedWaitAvoidingGroupAllreduce:
             return
         self._closed = True
         try:
-            self._settle_sync_round()
+            unseen = self._settle_sync_round()
+            if unseen is not None:  # its handle's owner never asked: tell them here
+                raise unseen
             if self._error is None and not self._comm.closed:
                 self._agree("close", CLOSE)
         finally:
@@ -428,13 +442,25 @@ class SharedWaitAvoidingGroupAllreduce:
                 f"more than {self.timeout:g} s")) from None
         if not survived or words[DIED] >= 0:
             if words[DIED] < 0:
-                words[DIED] = words[HOLDER]
+                words[DIED] = self._died_holding(int(words[HOLDER]))
             dead = int(words[DIED])
             shm_lock.release(lock)
             slot = "its own board slot" if dead == m else f"rank {m}'s board slot"
-            raise self._break(RankFailedError(
-                self.kind, t, [dead], f"rank {dead} died holding {slot}"))
+            who, ranks = (f"rank {dead}", [dead]) if dead < self.size else ("a rank", [])
+            raise self._break(RankFailedError(self.kind, t, ranks, f"{who} died holding {slot}"))
         words[HOLDER] = self.rank
+
+    def _died_holding(self, holder: int) -> int:
+        """Who died holding a lock (for the DIED word, never negative): the
+        HOLDER word names it unless the holder died between taking the lock
+        and writing the word, so ask the liveness check which rank is gone;
+        ``self.size`` where nobody can be named."""
+        others = [r for r in range(self.size) if r != self.rank]
+        failed = self._comm._engine.watch.dead_among(others, settle=True)
+        dead = [] if failed is None else list(failed(self.kind, 0).ranks)
+        if holder in dead or (not dead and holder in others):
+            return holder
+        return dead[0] if dead else self.size
 
     def _release(self, held: list[int]) -> None:
         for m in held:
@@ -457,7 +483,6 @@ class SharedWaitAvoidingGroupAllreduce:
                 self._publish(data, t if counted else None)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
-                self._left_step = time.monotonic()
                 self.telemetry.record_call(0, time.monotonic() - started, True)
                 self.telemetry.fresh_contributions += 1
                 self._completed = max(self._completed, t)
@@ -466,19 +491,24 @@ class SharedWaitAvoidingGroupAllreduce:
                              iteration=t)
         return _Continued(inner, then)
 
-    def _settle_sync_round(self) -> None:
+    def _settle_sync_round(self) -> WagmaError | None:
         """Finish a sync round that ``step(async_op=True)`` left running: its
         result is published on the board when it completes, which must come
         before any later round's publish (the board keeps one model per rank,
         of one round) and before close() unmaps the board. Its error stays
-        with its handle and breaks this collective (``_named``)."""
-        handle, self._unsettled = self._unsettled, None
+        with its handle and breaks this collective (``_named``); it is
+        returned if no caller has seen it yet."""
+        handle = self._unsettled
         if handle is None:
-            return
+            return None
+        seen = handle.settled
         try:
             handle.wait()
-        except WagmaError:
-            pass  # the handle raises it to its own caller; self._error is set
+        except WagmaError as exc:  # the handle raises it to its own caller too
+            self._unsettled = None
+            return None if seen else exc
+        self._unsettled = None
+        return None
 
     def _agree(self, what: str, call: int) -> None:
         """Collective: every rank's step count and final call (FLUSH,

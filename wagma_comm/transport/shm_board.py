@@ -114,4 +114,4 @@ class Board:
                 pass  # a view is still exported: the mapping goes with it
 
 
-__all__ = ["Board", "block_bytes", "HOLDER", "PUBLISHED", "RESULT", "ACTIVATOR"]
+__all__ = ["Board", "block_bytes", "HOLDER", "PUBLISHED", "RESULT", "ACTIVATOR", "DIED"]
