@@ -53,23 +53,6 @@ from .info import RoundInfo, Telemetry
 _TOKEN_WORDS = 4  # collective id, round, root, sender
 # The round of a token that says "closed: no more tokens from me" (close()).
 _CLOSED_MARK = -1
-FLUSH, FLUSH_ROUND, CLOSE = 1, 2, 3
-"""What a rank called at the end (flush without a synchronous round, flush
-with one, close), exchanged with its step count so that ranks that called
-different ones are named at once instead of waiting for a round only some
-of them run."""
-FINAL_CALL_NAMES = {FLUSH: "flush() without a round", FLUSH_ROUND: "flush() with a round",
-                    CLOSE: "close()"}
-
-
-def final_call_differences(mine: tuple[int, int],
-                           peers: dict[int, tuple[int, int]]) -> tuple[dict[int, str], str]:
-    """(step count, FLUSH/FLUSH_ROUND/CLOSE) of this rank and of each peer:
-    the peers that differ, described, and this rank's own description."""
-    def describe(steps: int, call: int) -> str:
-        return f"{FINAL_CALL_NAMES.get(call, f'call {call}')} after {steps} steps"
-    differ = {r: describe(*v) for r, v in peers.items() if v != mine}
-    return differ, describe(*mine)
 # A synchronous round's arrival check times out this fraction of the
 # timeout before its data exchange, so its error (naming the ranks that never
 # arrived) is the one the round fails with.
@@ -81,6 +64,27 @@ _ARRIVAL_LEAD_MIN_S = 0.005  # and at least this (engine turns, naps of 1 ms)
 # covers the rounds before it). Keeps the routing state bounded when
 # synchronous rounds, which clear it, are rare.
 TOKEN_HORIZON = 256
+
+
+FLUSH, FLUSH_ROUND, CLOSE = 1, 2, 3
+"""What a rank called at the end (flush without a synchronous round, flush
+with one, close), exchanged with its step count so that ranks that called
+different ones are named at once instead of waiting for a round only some
+of them run."""
+FINAL_CALL_NAMES = {FLUSH: "flush() without a round", FLUSH_ROUND: "flush() with a round",
+                    CLOSE: "close()"}
+
+
+def final_call_differences(table: np.ndarray, rank: int) -> tuple[dict[int, str], str]:
+    """``table``: one row (step count, FLUSH/FLUSH_ROUND/CLOSE) per rank, as
+    exchanged at a flush or close. The ranks whose row differs from
+    ``rank``'s, described, and ``rank``'s own description."""
+    def describe(row: np.ndarray) -> str:
+        steps, call = (int(v) for v in row)
+        return f"{FINAL_CALL_NAMES.get(call, f'call {call}')} after {steps} steps"
+    mine = table[rank]
+    differ = {r: describe(row) for r, row in enumerate(table) if not np.array_equal(row, mine)}
+    return differ, describe(mine)
 
 
 def check_sync_every(sync_every: Any) -> int:
@@ -638,9 +642,9 @@ class PartialCollective:
         def compare() -> None:
             if final is None:
                 return
-            peers[2 * self.rank:2 * self.rank + 2] = mine
-            seen = {r: (int(peers[2 * r]), int(peers[2 * r + 1])) for r in everyone}
-            differ, own = final_call_differences((value, final), seen)
+            table = peers.reshape(self.size, 2)
+            table[self.rank] = mine
+            differ, own = final_call_differences(table, self.rank)
             if differ:
                 raise MismatchError(self.kind, value, differ, own)
         return Stage(sched, channel, {DATA: mine, algorithms.EXCHANGE_SCRATCH: peers}, INT64,

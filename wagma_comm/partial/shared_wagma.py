@@ -456,8 +456,7 @@ class SharedWaitAvoidingGroupAllreduce:
         and writing the word, so ask the liveness check which rank is gone;
         ``self.size`` where nobody can be named."""
         others = [r for r in range(self.size) if r != self.rank]
-        failed = self._comm._engine.watch.dead_among(others, settle=True)
-        dead = [] if failed is None else list(failed(self.kind, 0).ranks)
+        dead = self._comm._engine.watch.dead_ranks(others, settle=True)
         if holder in dead or (not dead and holder in others):
             return holder
         return dead[0] if dead else self.size
@@ -502,27 +501,25 @@ class SharedWaitAvoidingGroupAllreduce:
         if handle is None:
             return None
         seen = handle.settled
+        error = None
         try:
             handle.wait()
         except WagmaError as exc:  # the handle raises it to its own caller too
-            self._unsettled = None
-            return None if seen else exc
+            error = None if seen else exc
         self._unsettled = None
-        return None
+        return error
 
     def _agree(self, what: str, call: int) -> None:
         """Collective: every rank's step count and final call (FLUSH,
         FLUSH_ROUND or CLOSE), compared; a rank that stepped a different
         number of times or called something else is named."""
-        seen = np.zeros((2, self.size), dtype=np.int64)
-        seen[:, self.rank] = self._app_round, call
+        table = np.zeros((self.size, 2), dtype=np.int64)
+        table[self.rank] = self._app_round, call
         try:
-            self._comm.allreduce(seen, "sum", timeout=self.timeout)
+            self._comm.allreduce(table, "sum", timeout=self.timeout)
         except CollectiveError as exc:
             raise self._named(exc, self._app_round, f"{what}()") from None
-        differ, mine = final_call_differences(
-            (self._app_round, call),
-            {r: (int(seen[0, r]), int(seen[1, r])) for r in range(self.size)})
+        differ, mine = final_call_differences(table, self.rank)
         if differ:
             raise self._break(MismatchError(self.kind, self._app_round, differ, mine))
 

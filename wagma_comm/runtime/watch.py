@@ -133,10 +133,13 @@ class Watch:
                    settle: bool = False) -> Callable[[str, int], RankFailedError] | None:
         """A maker of the RankFailedError for a collective over ``ranks`` if
         one of them is gone, else None (``settle`` as in dead_peers)."""
-        if self.liveness is None:
-            return None
-        dead = self._dead(ranks, settle)
+        dead = self.dead_ranks(ranks, settle)
         return self._rank_failed(dead, ranks) if dead else None
+
+    def dead_ranks(self, ranks: Sequence[int], settle: bool = False) -> list[int]:
+        """The ranks among ``ranks`` that are gone (and every other rank known
+        gone with them); [] where none is, or nobody can tell."""
+        return [] if self.liveness is None else self._dead(ranks, settle)
 
     def _dead(self, ranks: Sequence[int], settle: bool) -> list[int]:
         """Dead ranks among ``ranks``; if there are any, every other rank known
