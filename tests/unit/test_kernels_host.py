@@ -714,6 +714,29 @@ def test_rows_reducer_is_reduce_into_and_average_into_in_part_order(
         assert_bits(got, ref, dt)
 
 
+@pytest.mark.parametrize("dt", D.ALL, ids=[d.name for d in D.ALL])
+@pytest.mark.parametrize("threaded", [False, True], ids=["serial", "threaded"])
+@pytest.mark.parametrize("n", [1, 7, 1023, 100_003])
+def test_rows_reducer_with_dst_is_average_into_with_dst_last(
+        dt: D.DType, threaded: bool, n: int, rng: np.random.Generator,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """WAGMA's board combine, "sum" normalization: ``dst = (total + dst) /
+    (n + 1)`` made once for the fixed result row, run on each step's
+    buffer. Same bits as average_into(dst, [*parts, dst]), for two
+    different ``dst`` arrays (the kernel finds each one's address)."""
+    if threaded:
+        monkeypatch.setattr(H, "_nthreads", 3)
+        monkeypatch.setattr(H, "_MIN_SPLIT_BYTES", 4096)
+    parts = [sample(dt, n, rng) for _ in range(2)]
+    reduce = H.rows_reducer("avg", dt, parts, 3, with_dst=True)
+    for _ in range(2):
+        dst = sample(dt, n, rng)
+        ref = dst.copy()
+        H.average_into(ref, [*parts, ref], 3, dt)
+        reduce(dst)
+        assert_bits(dst, ref, dt)
+
+
 def test_rows_reducer_checks_its_parts_when_made() -> None:
     with pytest.raises(InvalidArgumentError, match="op"):
         H.rows_reducer("mean", D.FLOAT32, [np.zeros(2, np.float32)])
@@ -721,3 +744,5 @@ def test_rows_reducer_checks_its_parts_when_made() -> None:
         H.rows_reducer("sum", D.FLOAT32, [])
     with pytest.raises(BufferError, match="parts"):
         H.rows_reducer("sum", D.FLOAT32, [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    with pytest.raises(InvalidArgumentError, match="with_dst"):
+        H.rows_reducer("max", D.FLOAT32, [np.zeros(2, np.float32)], with_dst=True)

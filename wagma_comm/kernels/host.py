@@ -602,7 +602,20 @@ def _scale_float(dst, divisor):
 
 
 @njit(inline="always")
+def _part_addresses(addrs, dst):
+    """``addrs`` with every 0 replaced by ``dst``'s own address: how
+    rows_reducer(with_dst=True) names ``dst`` as a part, so one address
+    array serves every ``dst`` without taking its address in Python."""
+    out = addrs.copy()
+    for i in range(out.size):
+        if out[i] == 0:
+            out[i] = dst.ctypes.data
+    return out
+
+
+@njit(inline="always")
 def _avg_half_loop(dst, addrs, divisor, kind):
+    addrs = _part_addresses(addrs, dst)
     n = dst.size
     k = addrs.size
     step = dst.itemsize
@@ -647,6 +660,7 @@ def _average_bf16(dst, addrs, divisor):
 @njit(cache=True, nogil=True)
 def _average_float(dst, addrs, divisor):
     """dst = RN(RN_f64(sum_f64(parts) / divisor)) for float32/float64 parts."""
+    addrs = _part_addresses(addrs, dst)
     n = dst.size
     k = addrs.size
     step = dst.itemsize
@@ -681,6 +695,7 @@ def _average_float(dst, addrs, divisor):
 @njit(cache=True, nogil=True)
 def _average_int(dst, addrs, divisor):
     """dst = floor(sum_i64(parts) / divisor) for integers (wraps like NumPy)."""
+    addrs = _part_addresses(addrs, dst)
     n = dst.size
     k = addrs.size
     step = dst.itemsize
@@ -976,27 +991,34 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
 
 
 def rows_reducer(op: str, dtype: DType, parts: Sequence[np.ndarray],
-                 divisor: int = 1) -> Callable[[np.ndarray], None]:
+                 divisor: int = 1, *, with_dst: bool = False) -> Callable[[np.ndarray], None]:
     """``fn(dst)``: ``dst = op`` over ``parts`` in their order (sum and avg as
     :func:`average_into` with ``divisor``, one rounding at the end; prod, max
-    and min pairwise, starting from a copy of ``parts[0]``).
+    and min pairwise, starting from a copy of ``parts[0]``). ``with_dst``
+    (sum and avg only): ``dst``'s old value is one more part, after ``parts``.
 
     Why: ``parts`` fixed across calls (rows of a shared-memory segment,
-    runtime/shared.py) are checked and their addresses taken once; a call then
-    costs the kernel. ``dst``: C-contiguous, 1-D, ``dtype.storage``, the
-    parts' size, overlapping none of them."""
+    runtime/shared.py, partial/shared_wagma.py) are checked and their
+    addresses taken once; a call then costs the kernel. ``dst``:
+    C-contiguous, 1-D, ``dtype.storage``, the parts' size, overlapping none
+    of them."""
     code = _OP_CODES.get(op) if op != "avg" else _OP_CODES["sum"]
     if code is None:
         raise InvalidArgumentError("op", f"unknown op {op!r}")
     if len(parts) == 0:
         raise InvalidArgumentError("parts", "expected at least one array")
+    if with_dst and code != _OP_CODES["sum"]:
+        raise InvalidArgumentError("with_dst", f"only for sum and avg, not {op!r}")
     flat = [_flat(p, dtype, f"parts[{i}]", parts[0].size) for i, p in enumerate(parts)]
     if code == _OP_CODES["sum"]:
         value = _check_divisor(divisor, dtype)
-        addrs = np.array([p.ctypes.data for p in flat], dtype=np.int64)
         chunked = _chunks(flat[0].size, flat[0].itemsize) is not None
         if chunked:  # large: split over the kernel threads
+            if with_dst:
+                return lambda d: _average(d, [*flat, d], value, dtype)
             return lambda d: _average(d, flat, value, dtype)
+        # An address of 0 is the kernel's name for dst itself (_part_addresses).
+        addrs = np.array([p.ctypes.data for p in flat] + [0] * with_dst, dtype=np.int64)
         if dtype.is_half:
             average = _average_bf16 if _half_kind(dtype) == _BF16 else _average_f16
         else:

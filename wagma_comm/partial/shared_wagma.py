@@ -159,6 +159,10 @@ class SharedWaitAvoidingGroupAllreduce:
         self._published = [b.view(storage) for b in board.published]
         self._results = [b.view(storage) for b in board.result]
         self._reducers: dict[tuple[int, ...], Callable[[np.ndarray], None]] = {}
+        self._combiners: dict[int, Callable[[np.ndarray], None]] = {}
+        # The groups shift with the step, which repeats every num_steps.
+        self._groups = tuple(groups_mod.group_of(self.rank, self.size, group_size, k)
+                             for k in range(groups_mod.num_steps(self.size, group_size)))
         self._everyone = tuple(range(self.size))
         # Sync rounds must give every rank the same bits: the default
         # algorithm's choice (never native).
@@ -270,8 +274,8 @@ class SharedWaitAvoidingGroupAllreduce:
 
     # -- group rounds ---------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
-        step = group_step(self.first_round + r, self.sync_every)
-        return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
+        groups = self._groups
+        return groups[group_step(self.first_round + r, self.sync_every) % len(groups)]
 
     def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
         members = self._members(t)
@@ -407,11 +411,18 @@ class SharedWaitAvoidingGroupAllreduce:
             self._board.words[self.rank][PUBLISHED] = t
 
     def _combine(self, out: np.ndarray, n: int) -> None:
-        total = self._results[self.rank]
-        if self.normalization == "mean":
-            host_kernels.average_into(out, [total], n, self.dtype)
-        else:
-            host_kernels.average_into(out, [total, out], n + 1, self.dtype)
+        """``out`` = the group's mean (``n`` members), or ("sum"
+        normalization) the mean of the group's sum and ``out``. Made once
+        per group size: average_into's checks cost more than the kernel."""
+        combine = self._combiners.get(n)
+        if combine is None:
+            total = [self._results[self.rank]]
+            combine = (host_kernels.rows_reducer("avg", self.dtype, total, n)
+                       if self.normalization == "mean" else
+                       host_kernels.rows_reducer("avg", self.dtype, total, n + 1,
+                                                 with_dst=True))
+            self._combiners[n] = combine
+        combine(out)
 
     # -- locks ----------------------------------------------------------------------
     def _hold_all(self, members: tuple[int, ...], t: int) -> list[int]:
