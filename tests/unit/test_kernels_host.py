@@ -720,7 +720,7 @@ def test_rows_reducer_is_reduce_into_and_average_into_in_part_order(
 def test_rows_reducer_with_dst_is_average_into_with_dst_last(
         dt: D.DType, threaded: bool, n: int, rng: np.random.Generator,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """WAGMA's board combine, "sum" normalization: ``dst = (total + dst) /
+    """WAGMA's board combine, normalization "wagma": ``dst = (total + dst) /
     (n + 1)`` made once for the fixed result row, run on each step's
     buffer. Same bits as average_into(dst, [*parts, dst]), for two
     different ``dst`` arrays (the kernel finds each one's address)."""

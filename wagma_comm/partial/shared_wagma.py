@@ -411,9 +411,9 @@ class SharedWaitAvoidingGroupAllreduce:
             self._board.words[self.rank][PUBLISHED] = t
 
     def _combine(self, out: np.ndarray, n: int) -> None:
-        """``out`` = the group's mean (``n`` members), or ("sum"
-        normalization) the mean of the group's sum and ``out``. Made once
-        per group size: average_into's checks cost more than the kernel."""
+        """``out`` = the group's mean (``n`` members), or (normalization
+        "wagma") ``(sum + out) / (n + 1)``. Made once per group size:
+        average_into's checks cost more than the kernel."""
         combine = self._combiners.get(n)
         if combine is None:
             total = [self._results[self.rank]]
