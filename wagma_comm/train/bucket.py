@@ -9,8 +9,8 @@ falls back to wagma_comm's own DLPack intake for what NumPy cannot view
 
 Device tensors (CUDA, from any framework) are staged: PyTorch consumes them
 through ``torch.from_dlpack`` and copies them to and from the host bucket,
-because the runtime's collectives move host memory until the NCCL transport
-lands. (Written for CUDA but not run on a GPU yet; on the CPU the same copies
+because the persistent partial collectives take host buffers only
+(docs/gpu.md). (Written for CUDA but not run on a GPU yet; on the CPU the same copies
 are tested.)
 
 The bucket owns its buffers; packing copies in, unpacking copies out. Copies
