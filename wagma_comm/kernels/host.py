@@ -605,12 +605,16 @@ def _scale_float(dst, divisor):
 def _part_addresses(addrs, dst):
     """``addrs`` with every 0 replaced by ``dst``'s own address: how
     rows_reducer(with_dst=True) names ``dst`` as a part, so one address
-    array serves every ``dst`` without taking its address in Python."""
-    out = addrs.copy()
-    for i in range(out.size):
-        if out[i] == 0:
-            out[i] = dst.ctypes.data
-    return out
+    array serves every ``dst`` without taking its address in Python.
+    ``addrs`` itself (no copy) where it names no 0: every other caller."""
+    for i in range(addrs.size):
+        if addrs[i] == 0:
+            out = addrs.copy()
+            for j in range(i, out.size):
+                if out[j] == 0:
+                    out[j] = dst.ctypes.data
+            return out
+    return addrs
 
 
 @njit(inline="always")

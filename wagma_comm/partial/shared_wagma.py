@@ -416,11 +416,9 @@ class SharedWaitAvoidingGroupAllreduce:
         average_into's checks cost more than the kernel."""
         combine = self._combiners.get(n)
         if combine is None:
-            total = [self._results[self.rank]]
-            combine = (host_kernels.rows_reducer("avg", self.dtype, total, n)
-                       if self.normalization == "mean" else
-                       host_kernels.rows_reducer("avg", self.dtype, total, n + 1,
-                                                 with_dst=True))
+            with_out = self.normalization != "mean"
+            combine = host_kernels.rows_reducer("avg", self.dtype, [self._results[self.rank]],
+                                                n + with_out, with_dst=with_out)
             self._combiners[n] = combine
         combine(out)
 
