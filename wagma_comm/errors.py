@@ -123,6 +123,27 @@ class TransportError(WagmaError, RuntimeError):
         self.code = code
 
 
+class MessageSizeError(CollectiveError, TransportError):
+    """A message this rank received had another size than the receive its
+    schedule posted: ranks passed different counts (or dtypes of another
+    size) to the same collective. Raised on the message path by the
+    receiver, whether the message was shorter than expected (which MPI
+    accepts silently) or longer (which MPI truncates); ``ranks`` names the
+    sender, ``expected`` and ``received`` are byte counts (``received`` is
+    None for a longer message: MPI does not say by how much). The
+    communicator is broken afterwards: the sender may wait for messages this
+    rank will never send."""
+
+    def __init__(self, collective: str, round: int, sender: int, expected: int,
+                 received: int | None) -> None:
+        self.expected, self.received = expected, received
+        got = f"more than {expected}" if received is None else f"{received}"
+        super().__init__(
+            collective, round, (sender,),
+            f"rank {sender} sent {got} bytes where this rank expected {expected}: "
+            "the ranks passed different counts or dtypes")
+
+
 class ScheduleError(WagmaError, ValueError):
     """A schedule is malformed or does not compute its collective (raised by the
     builder and the verifier)."""
@@ -140,5 +161,6 @@ __all__: Sequence[str] = [
     "MismatchError",
     "RankFailedError",
     "TransportError",
+    "MessageSizeError",
     "ScheduleError",
 ]

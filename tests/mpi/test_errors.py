@@ -11,6 +11,9 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm import Communicator
+from wagma_comm.comm import INLINE_MAX_BYTES
+
+from conftest import message_path
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -339,6 +342,127 @@ def test_debug_reports_mismatched_calls_by_rank() -> None:
         a = np.ones(4, np.float32)
         c.allreduce(a)  # the exchange completed, so the communicator is still good
         assert a[0] == SIZE
+
+
+@pytest.mark.parametrize("path, mismatch", [
+    ("straight-line", "count"), ("dataflow", "count"), ("executor", "count"),
+    ("straight-line", "dtype")])
+def test_a_size_mismatch_on_the_message_path_is_never_a_silent_result(
+        monkeypatch: pytest.MonkeyPatch, path: str, mismatch: str) -> None:
+    """MPI accepts a message shorter than its receive without an error, so a
+    rank whose buffer is larger than its peer's used to return a wrong
+    result silently. Now every rank fails: a receiver of a message of the
+    wrong size raises MessageSizeError naming the sender (shorter: the bytes
+    it got; longer: MPI truncated it, received is None), and a rank waiting
+    on a failed one times out. Each executor is checked: the straight line
+    and the dataflow run of a small call (runtime/straight.py, inline.py),
+    and the engine for a call too large to run inline."""
+    if SIZE == 1:
+        pytest.skip("a mismatch needs two ranks")
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", path == "straight-line")
+    count = INLINE_MAX_BYTES // 4 + 1 if path == "executor" else 6
+    last = RANK == SIZE - 1
+    if mismatch == "count":
+        buf = np.ones(count + last, np.float32)
+    else:  # the same count, elements of another size; an even count: MPICH
+        # aborts the job when a message is no whole number of the receive's
+        # elements (docs/usage.md, "Timeouts and errors")
+        buf = np.ones(count, np.float64 if last else np.float32)
+    expected_short = (count * 8, count * 4) if mismatch == "dtype" else ((count + 1) * 4, count * 4)
+    with message_path():
+        c = wagma_comm.init(timeout=3)
+    try:
+        outcome: tuple[Any, ...] = ("done",)
+        try:
+            c.allreduce(buf, algorithm="recursive_doubling")
+        except wagma_comm.MessageSizeError as err:
+            assert isinstance(err, wagma_comm.TransportError)  # what it was before
+            assert err.collective == "allreduce" and err.round == 0
+            outcome = ("size", err.ranks, err.expected, err.received)
+        except wagma_comm.CollectiveTimeoutError as err:
+            outcome = ("timeout", err.ranks)
+        with pytest.raises(wagma_comm.CommunicatorClosedError):
+            c.allreduce(np.ones(4, np.float32))  # broken: a peer may still wait for us
+    finally:
+        c.close()
+    outcomes = WORLD.allgather(outcome)
+    assert all(o[0] != "done" for o in outcomes), outcomes
+    sized = {r: o for r, o in enumerate(outcomes) if o[0] == "size"}
+    assert sized, outcomes
+    if SIZE == 2:  # partners in every round: both see the other's message
+        assert set(sized) == {0, 1}
+    for r, (_, senders, expected, received) in sized.items():
+        if r == SIZE - 1:  # a larger buffer than its peers': their message is short
+            assert len(senders) == 1 and senders[0] != r
+            assert (expected, received) == expected_short
+        else:  # a smaller one: the last rank's message did not fit
+            assert senders == (SIZE - 1,)
+            assert (expected, received) == (expected_short[1], None)
+    for o in outcomes:
+        if o[0] == "timeout":
+            assert o[1], "a timeout names the ranks it waited for"
+
+
+def test_the_mpi_transport_tells_short_and_long_messages_apart() -> None:
+    """The pieces the size check stands on, on this rank alone (messages to
+    itself over MPI_COMM_SELF): each test call reports a short message's
+    length through its statuses (a test of some in completion order), and
+    names the sender of a message longer than the receive."""
+    from wagma_comm.transport.mpi import MPITransport
+
+    transport = MPITransport(MPI.COMM_SELF, timeout=30)
+    isend, irecv = transport.posters("data")
+    three = np.arange(3, dtype=np.float32)
+    try:
+        for test in ("one", "some", "all"):
+            got = np.zeros(4, np.float32)
+            requests = [isend(three, 0, 1), irecv(got, 0, 1)]
+            statuses = transport.statuses(2)
+            assert statuses is not None
+            deadline = time.monotonic() + 10
+            if test == "one":
+                while not transport.test_one(requests[1], statuses[0]):
+                    assert time.monotonic() < deadline
+                assert transport.received_bytes(statuses[0]) == 12
+                requests[0].Wait()
+            elif test == "some":
+                done: list[int] = []
+                while len(done) < 2:
+                    assert time.monotonic() < deadline
+                    now = transport.test_some(requests, statuses)
+                    if 1 in now:
+                        assert transport.received_bytes(statuses[now.index(1)]) == 12
+                    done += now
+            else:
+                while not transport.tester()(requests, statuses):
+                    assert time.monotonic() < deadline
+                assert transport.received_bytes(statuses[1]) == 12
+            assert got.tolist() == [0, 1, 2, 0]
+            # longer than the receive: MPI truncates, the error names the sender
+            small = np.zeros(2, np.float32)
+            requests = [irecv(small, 0, 2), isend(three, 0, 2)]
+            with pytest.raises(wagma_comm.TransportError) as info:
+                while True:
+                    assert time.monotonic() < deadline
+                    if test == "one":
+                        transport.test_one(requests[0], statuses[0])
+                    elif test == "some":
+                        transport.test_some(requests, statuses)
+                    else:
+                        try:  # the bare call: its caller translates
+                            transport.tester()(requests, statuses)
+                        except transport.raw_errors as exc:
+                            raise transport.error_of(exc) from exc
+            senders = transport.overlong(info.value, statuses)  # type: ignore[arg-type]
+            assert [sender for _, sender in senders] == [0]
+            if test == "all":  # request order: the receive's own position
+                assert senders == [(0, 0)]
+            requests[1].Wait()
+        assert transport.overlong(wagma_comm.TransportError("not MPI's"), statuses) == []
+    finally:
+        transport.close()
 
 
 @pytest.mark.parametrize("debug", [False, True])

@@ -28,6 +28,7 @@ from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
+    MessageSizeError,
     RankFailedError,
     TransportError,
     WagmaError,
@@ -36,7 +37,8 @@ from ..schedule.ir import DATA, Recv, Schedule, Send
 from ..schedule.straight import straight_order, straight_safe
 from ..transport.base import CHANNEL_DATA, Transport
 from .handle import Handle
-from .inline import DONE, EXPIRED, Plan, Program, ProgramRun, plan, post, run_local
+from .inline import (DONE, EXPIRED, Plan, Program, ProgramRun, overlong_receive, plan, post,
+                     run_local)
 from .liveness import Liveness
 from .pool import ScratchPool
 from .straight import StraightLine
@@ -213,8 +215,10 @@ class Engine:
         self._programs: dict[tuple[int, str], tuple[Schedule, Program]] = {}
         self._counts_lock = threading.Lock()  # statistics() against the programs' fold
         self.generation = 0  # bumped when the programs above are forgotten
-        self._tag_base = transport.tag_base
         self._pool = ScratchPool()
+        # What the test of all outstanding requests fills (None: the transport
+        # cannot tell sizes, so receives go unchecked).
+        self._statuses: list[Any] | None = transport.statuses(0)
         self._abandoned: list[Any] = []  # buffers of timed-out sends, kept alive
         self._services: list[Service] = []
         self._woken = False
@@ -607,7 +611,7 @@ class Engine:
             if line is not None:
                 if program.scratch is None:
                     program.prepare()
-                stopped = line.run(data, self._tag_base(seq), deadline, patience)
+                stopped = line.run(data, seq, deadline, patience)
                 if stopped is None:
                     return None
                 outcome, point = stopped
@@ -935,7 +939,7 @@ class Engine:
         if not self._requests:
             return False
         self._stats["polls"] += 1
-        done = self._transport.test_some(self._requests)
+        done = self._test_some(self._requests)
         if not done:
             return False
         self._retire(done)
@@ -946,23 +950,57 @@ class Engine:
         CPU between tests. A full turn costs tens of microseconds of Python; a
         test costs one MPI call, and on an oversubscribed machine the CPU a
         waiting rank does not burn is what its peers need to reach us."""
-        requests, test_some = self._requests, self._transport.test_some
+        requests = self._requests
         if not requests:
             return False
-        for _ in range(_SPIN_POLLS):
-            os.sched_yield()
-            done = test_some(requests)
-            if done:
-                self._stats["polls"] += 1
-                self._retire(done)
-                return True
-            if self._incoming:
-                return False
+        try:
+            for _ in range(_SPIN_POLLS):
+                os.sched_yield()
+                done = self._test_some(requests)
+                if done:
+                    self._stats["polls"] += 1
+                    self._retire(done)
+                    return True
+                if self._incoming:
+                    return False
+        except TransportError as exc:  # as a turn handles it
+            self._transport_failed(exc)
+            return True
         return False
 
+    def _test_some(self, requests: list[Any]) -> list[int]:
+        """The transport's test of ``requests`` (filling ``_statuses``), a
+        truncated receive reported as the MessageSizeError of its run."""
+        try:
+            return self._transport.test_some(requests, self._statuses)
+        except TransportError as exc:
+            receives = [(k, run.ops[i].peer) for k, (run, i) in enumerate(self._owners)
+                        if run is not None and type(run.ops[i]) is Recv]
+            found = overlong_receive(self._transport, exc, self._statuses or [],
+                                     requests, receives)
+            if found is None:
+                raise
+            run, i = self._owners[found]
+            raise self._size_error(run, i, None) from exc
+
+    def _size_error(self, run: _Run, index: int, received: int | None) -> MessageSizeError:
+        op = run.ops[index]
+        return MessageSizeError(run.work.collective, run.work.seq, op.peer,
+                                op.dst.count * run.stage.dtype.itemsize, received)
+
     def _retire(self, done: list[int]) -> None:
-        # Compact first: retiring an op can finish or fail a run, which edits
-        # the request lists itself.
+        # Sizes first (MPI accepts a short message silently), then compact:
+        # retiring an op can finish or fail a run, which edits the request
+        # lists itself.
+        statuses = self._statuses
+        if statuses is not None:
+            size = self._transport.received_bytes
+            for j, idx in enumerate(done):  # statuses come in this order
+                run, i = self._owners[idx]
+                if run is not None and type(run.ops[i]) is Recv:
+                    received = size(statuses[j])
+                    if received != run.ops[i].dst.count * run.stage.dtype.itemsize:
+                        raise self._size_error(run, i, received)
         finished = set(done)
         completions = [self._owners[idx] for idx in done]
         keep = [k for k in range(len(self._owners)) if k not in finished]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..dtypes import DType
+from ..errors import MessageSizeError, TransportError
 from ..kernels import host as host_kernels
 from ..schedule.ir import DATA, Copy, Native, Recv, Reduce, Scale, Schedule, Send, Slot
 from ..transport.base import Transport
@@ -89,6 +90,21 @@ def post(op: Any, arrays: dict[str, np.ndarray], dtype: DType, transport: Transp
     return None
 
 
+def overlong_receive(transport: Transport, error: TransportError, statuses: list[Any],
+                     requests: list[Any], receives: list[tuple[int, int]]) -> int | None:
+    """After ``error`` from a test of some of ``requests`` that filled
+    ``statuses``: the index of a receive among ``receives`` ((index, peer)
+    pairs) that got a message longer than its buffer, or None. The statuses
+    come in completion order, so the sender names the receive: one MPI
+    completed (its request now null, hence false) if several are from it."""
+    for _, sender in transport.overlong(error, statuses):
+        matches = [k for k, peer in receives if peer == sender]
+        if matches:
+            completed = [k for k in matches if not requests[k]]
+            return (completed or matches)[0]
+    return None
+
+
 def _local_kernel(op: Any, dtype: DType) -> Callable[[np.ndarray, Any], object]:
     """``fn(dst, src)`` running a local op on its two views (src None for Scale)."""
     if isinstance(op, Reduce):
@@ -149,7 +165,7 @@ class Program:
 
     __slots__ = ("schedule", "dtype", "plan", "kinds", "peers", "msgs", "actions",
                  "sends", "bytes_sent", "recvs", "bytes_received", "local_ops", "runs",
-                 "line", "scratch", "_args", "_run")
+                 "line", "scratch", "expected", "status", "statuses", "_args", "_run")
 
     def __init__(self, schedule: Schedule, dtype: DType, transport: Transport,
                  schedule_plan: Plan) -> None:
@@ -178,6 +194,14 @@ class Program:
         self.bytes_received = sum(op.dst.count for op in schedule.ops
                                   if type(op) is Recv) * itemsize
         self.runs = 0
+        # The bytes each receive expects (0: not a receive, or the transport
+        # cannot tell sizes), and what the test calls fill: one status for a
+        # single request's test, a list for the test of all outstanding.
+        statuses = transport.statuses(1)
+        self.status = statuses[0] if statuses is not None else None
+        self.statuses = transport.statuses(0)
+        self.expected = tuple(op.dst.count * itemsize if kind == RECV and statuses is not None
+                              else 0 for op, kind in zip(schedule.ops, kinds))
         # The same schedule as straight Python (runtime/straight.py), set by the
         # engine where its order is proven deadlock-free; runs prefer it.
         self.line: StraightLine | None = None
@@ -280,6 +304,8 @@ class ProgramRun:
         isend, irecv = transport.posters(channel)
         base = transport.tag_base(seq)
         test_one, test_some = transport.test_one, transport.test_some
+        expected, status, statuses = program.expected, program.status, program.statuses
+        size = transport.received_bytes
         total = len(kinds)
         pos, completed = self.pos, self.completed
         try:
@@ -319,23 +345,33 @@ class ProgramRun:
                 polls = 0
                 since = 0.0
                 k = 0
-                while not test_one(requests[k]):
-                    polls += 1
-                    if polls % CLOCK_EVERY == 0:
-                        overdue, since = check_clock(since, deadline, patience)
-                        if overdue:
-                            return overdue
-                    k += 1
-                    if k == len(requests):
-                        k = 0
-                    os.sched_yield()  # the CPU we do not burn is what a late peer needs
-                if len(requests) == 1:
-                    done = [0]
-                else:
-                    done = test_some(requests)  # the others that completed meanwhile
-                    done.append(k)
-                for k in done:
+                try:
+                    while not test_one(requests[k], status):
+                        polls += 1
+                        if polls % CLOCK_EVERY == 0:
+                            overdue, since = check_clock(since, deadline, patience)
+                            if overdue:
+                                return overdue
+                        k += 1
+                        if k == len(requests):
+                            k = 0
+                        os.sched_yield()  # the CPU we do not burn is what a late peer needs
+                    if len(requests) == 1:
+                        done = [0]
+                    else:
+                        # the others that completed meanwhile, statuses in this order
+                        done = test_some(requests, statuses)
+                        done.append(k)
+                except TransportError as error:
+                    raise self._overlong(transport, error, k, seq) or error
+                last = len(done) - 1
+                for j, k in enumerate(done):
                     i = owners[k]
+                    if expected[i]:
+                        received = size(status if j == last else statuses[j])
+                        if received != expected[i]:
+                            raise MessageSizeError(program.schedule.collective, seq, peers[i],
+                                                   expected[i], received)
                     completed += 1
                     for s in succ[i]:
                         remaining[s] -= 1
@@ -353,6 +389,24 @@ class ProgramRun:
             self.pos, self.completed = pos, completed
 
     # -- the facts a hand-over or a failure needs (rare paths) ----------------
+    def _overlong(self, transport: Transport, error: TransportError, k: int,
+                  seq: int) -> MessageSizeError | None:
+        """The receive that ``error`` reports truncated, if any: request
+        ``k``'s own test (one status), or the test of all outstanding."""
+        program, owners = self.program, self.owners
+        if program.expected[owners[k]] and transport.overlong(error, [program.status]):
+            i = owners[k]
+        else:
+            receives = [(j, program.peers[i]) for j, i in enumerate(owners)
+                        if program.expected[i]]
+            found = overlong_receive(transport, error, program.statuses or [],
+                                     self.requests, receives)
+            if found is None:
+                return None
+            i = owners[found]
+        return MessageSizeError(program.schedule.collective, seq, program.peers[i],
+                                program.expected[i], None)
+
     def posted(self, transport: Transport) -> dict[int, Any]:
         """Outstanding requests by op index, sends as the transport marks them."""
         kinds = self.program.kinds

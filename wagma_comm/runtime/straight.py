@@ -12,10 +12,12 @@ with their peers' (``straight_safe``).
 
 The function posts each message into ``q[op]`` with the transport's bare
 posters, waits with its bare test-all (``sched_yield`` between failed tests, the clock read every 64),
-and returns None when done, or ``(LATE | EXPIRED, wait)`` when a wait ran out
-of patience or the deadline: :meth:`StraightLine.state` then rebuilds the
-dataflow run state at that wait, so the engine takes over with the very same
-requests.
+checks that each receive got as many bytes as it expected (MPI accepts a
+shorter message silently: ranks that passed different counts would get a
+wrong result), and returns None when done, or ``(LATE | EXPIRED, wait)`` when
+a wait ran out of patience or the deadline: :meth:`StraightLine.state` then
+rebuilds the dataflow run state at that wait, so the engine takes over with
+the very same requests.
 """
 
 from __future__ import annotations
@@ -25,28 +27,37 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..errors import MessageSizeError, TransportError
 from ..schedule.ir import DATA, Scale, Schedule, Slot
 from ..schedule.straight import LOCAL, POST, StraightOrder
 from ..transport.base import Transport
 from .inline import CLOCK_EVERY, NATIVE, RECV, SEND, Program, ProgramRun, check_clock, view
 
 
-def wait(requests: list[Any], test_all: Callable[[list[Any]], bool], deadline: float,
-         patience: float) -> str | None:
+def wait(requests: list[Any], test_all: Callable[[list[Any], Any], bool], statuses: Any,
+         deadline: float, patience: float) -> str | None:
     """After a failed test of ``requests``: poll until all completed (None),
     ``deadline`` (monotonic) passed (EXPIRED) or ``patience`` seconds went by
-    (LATE)."""
+    (LATE). ``statuses`` go to every test."""
     polls = 0
     since = 0.0
     while True:
         os.sched_yield()  # the CPU we do not burn is what a late peer needs
-        if test_all(requests):
+        if test_all(requests, statuses):
             return None
         polls += 1
         if polls % CLOCK_EVERY == 0:
             overdue, since = check_clock(since, deadline, patience)
             if overdue:
                 return overdue
+
+
+class _Missized(Exception):
+    """Raised by the generated function: receive ``op`` got ``received`` bytes."""
+
+    def __init__(self, op: int, received: int) -> None:
+        super().__init__(op, received)
+        self.op, self.received = op, received
 
 
 class StraightLine:
@@ -56,13 +67,16 @@ class StraightLine:
     :meth:`run` runs it over a caller's buffer."""
 
     __slots__ = ("program", "order", "source", "requests", "_fn", "_globals", "_nones",
-                 "_scratch_slots", "_errors", "_translate")
+                 "_scratch_slots", "_transport", "_tag_base", "_waits")
 
     def __init__(self, program: Program, order: StraightOrder, transport: Transport,
                  channel: str) -> None:
         self.program, self.order = program, order
-        self._errors, self._translate = transport.raw_errors, transport.error_of
+        self._transport, self._tag_base = transport, transport.tag_base
         self._scratch_slots: list[Slot] = []
+        # Per wait: the statuses its test fills (None: the transport cannot
+        # tell sizes) and (position in the wait, op) of each receive in it.
+        self._waits: list[tuple[list[Any] | None, list[tuple[int, int]]]] = []
         self._nones = [None] * len(program.schedule.ops)
         self.requests: list[Any] = list(self._nones)
         isend, irecv = transport.posters(channel)
@@ -70,7 +84,7 @@ class StraightLine:
         # the generated function: no argument to pass per call.
         self._globals: dict[str, Any] = {
             "q": self.requests, "s": (), "isend": isend, "irecv": irecv,
-            "test_all": transport.tester(), "wait": wait}
+            "test_all": transport.tester(), "wait": wait, "Missized": _Missized}
         self.source = self._generate(program.schedule, self._globals)
         exec(compile(self.source, f"<straight {program.schedule.collective}>", "exec"),
              self._globals)
@@ -110,32 +124,73 @@ class StraightLine:
                 src = "None" if type(op) is Scale else self._expr(op.src, count)
                 lines.append(f"    local{i}({self._expr(op.dst, count)}, {src})")
             else:
-                needed = ", ".join(f"q[{i}]" for i in what)  # type: ignore[union-attr]
-                lines += [f"    w = [{needed}]",
-                          "    if not test_all(w):",
-                          "        o = wait(w, test_all, deadline, patience)",
-                          "        if o is not None:",
-                          f"            return o, {point}"]
+                lines += self._wait_lines(what, point, constants)  # type: ignore[arg-type]
                 point += 1
         lines.append("    return None")
         return "\n".join(lines) + "\n"
+
+    def _wait_lines(self, ops: tuple[int, ...], point: int,
+                    constants: dict[str, Any]) -> list[str]:
+        """Wait ``point``: test ``ops`` together, then check the size of each
+        receive among them (the statuses ``t{point}`` are a constant)."""
+        program = self.program
+        statuses = self._transport.statuses(len(ops))
+        recvs = [(j, i) for j, i in enumerate(ops) if program.kinds[i] == RECV]
+        self._waits.append((statuses, recvs))
+        constants[f"t{point}"] = statuses
+        lines = [f"    w = [{', '.join(f'q[{i}]' for i in ops)}]",
+                 f"    if not test_all(w, t{point}):",
+                 f"        o = wait(w, test_all, t{point}, deadline, patience)",
+                 "        if o is not None:",
+                 f"            return o, {point}"]
+        if statuses is not None and recvs:
+            constants["size"] = self._transport.received_bytes
+            for j, i in recvs:
+                lines += [f"    if size(t{point}[{j}]) != {self._recv_bytes(i)}:",
+                          f"        raise Missized({i}, size(t{point}[{j}]))"]
+        return lines
+
+    def _recv_bytes(self, op: int) -> int:
+        return self.program.schedule.ops[op].dst.count * self.program.dtype.itemsize  # type: ignore[union-attr]
 
     def bind(self, scratch: dict[str, np.ndarray]) -> None:
         """Use ``scratch`` (the program's arrays by name) from now on."""
         self._globals["s"] = tuple(view(scratch, slot) for slot in self._scratch_slots)
 
-    def run(self, data: np.ndarray, base: int, deadline: float,
+    def run(self, data: np.ndarray, seq: int, deadline: float,
             patience: float) -> tuple[str, int] | None:
-        """Run over ``data``, the messages tagged ``base | msg``
-        (``Transport.tag_base`` of the collective's sequence number): None
-        when done, else ``(outcome, wait)`` with the requests left in
+        """Run over ``data`` as the collective numbered ``seq``: None when
+        done, else ``(outcome, wait)`` with the requests left in
         :attr:`requests`. The transport's own errors come out as its
-        TransportError."""
+        TransportError, a message of the wrong size as MessageSizeError."""
         self.requests[:] = self._nones
         try:
-            return self._fn(data, base, deadline, patience)
-        except self._errors as exc:
-            raise self._translate(exc) from exc
+            return self._fn(data, self._tag_base(seq), deadline, patience)
+        except _Missized as wrong:
+            raise self._size_error(seq, wrong.op, wrong.received) from None
+        except self._transport.raw_errors as exc:
+            error = self._transport.error_of(exc)
+            raise self._overlong(error, seq) or error from exc
+
+    def _size_error(self, seq: int, op: int, received: int | None) -> MessageSizeError:
+        return MessageSizeError(self.program.schedule.collective, seq, self.program.peers[op],
+                                self._recv_bytes(op), received)
+
+    def _overlong(self, error: BaseException, seq: int) -> MessageSizeError | None:
+        """The receive a failed test reports truncated, if any. A test of
+        all fills every status in request order, and only the failed test's
+        can carry an error (any earlier failure ended the run), so the waits'
+        statuses are searched in turn."""
+        if not isinstance(error, TransportError):
+            return None
+        for statuses, recvs in self._waits:
+            if statuses is None or not recvs:
+                continue
+            position = dict(recvs)
+            for j, _ in self._transport.overlong(error, statuses):
+                if j in position:
+                    return self._size_error(seq, position[j], None)
+        return None
 
     # -- the run state a hand-over or a failure needs (rare paths) -------------
     def state(self, data: np.ndarray, point: int | None) -> ProgramRun:

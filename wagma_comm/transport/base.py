@@ -81,12 +81,32 @@ class Transport(ABC):
         """The tag bits of sequence number ``seq`` for :meth:`posters`."""
         return seq << MSG_BITS
 
-    def test_one(self, request: Any) -> bool:
+    def test_one(self, request: Any, status: Any = None) -> bool:
         """Whether ``request`` completed (then it is replaced by a null request
-        in place). The cheap poll of a waiting loop: one request per call
-        costs less than :meth:`test_some` over all, and a failed poll is the
-        common case. Raises TransportError on a failed request."""
-        return bool(self.test_some([request]))
+        in place, and ``status``, one of :meth:`statuses`, says what it got).
+        The cheap poll of a waiting loop: one request per call costs less than
+        :meth:`test_some` over all, and a failed poll is the common case.
+        Raises TransportError on a failed request."""
+        return bool(self.test_some([request], None if status is None else [status]))
+
+    # -- what a completed receive got: the check that ranks agree on sizes ----
+    def statuses(self, n: int) -> list[Any] | None:
+        """``n`` objects for the test calls to fill with what each completed
+        request got (a test call extends a short list), or None where this
+        transport cannot tell: then received sizes go unchecked."""
+        return None
+
+    def received_bytes(self, status: Any) -> int:
+        """The bytes a completed receive got, from its ``status``."""
+        raise NotImplementedError(f"{self.name} does not report received sizes")
+
+    def overlong(self, error: TransportError, statuses: list[Any]) -> list[tuple[int, int]]:
+        """``(position in statuses, sender)`` of each receive that got a
+        message longer than its buffer, as ``error``, raised by the test call
+        that filled ``statuses``, reports. Empty when the error is something
+        else. (A test of some requests fills statuses in completion order,
+        not request order: the sender is what names the receive then.)"""
+        return []
 
     # Exceptions the bare calls (posters, tester) may raise; error_of turns
     # one into the TransportError the rest of the runtime expects.
@@ -96,13 +116,15 @@ class Transport(ABC):
         """The TransportError for an exception of :attr:`raw_errors`."""
         return TransportError(f"{self.name} error: {exc}")
 
-    def tester(self) -> Callable[[list[Any]], bool]:
-        """A function ``test_all(requests) -> bool``: whether every request in
-        the list completed, for a loop that waits for one set at a time
-        (runtime/straight.py); made once, so it can be the bare transport call.
-        This default tests with :meth:`test_some` and removes the completed
-        requests from the list."""
-        def test_all(requests: list[Any]) -> bool:
+    def tester(self) -> Callable[[list[Any], Any], bool]:
+        """A function ``test_all(requests, statuses) -> bool``: whether every
+        request in the list completed (then ``statuses``, from
+        :meth:`statuses` or None, says what each got), for a loop that waits
+        for one set at a time (runtime/straight.py); made once, so it can be
+        the bare transport call. This default tests with :meth:`test_some`
+        and removes the completed requests from the list (so it cannot fill
+        ``statuses``: a transport that has them overrides it)."""
+        def test_all(requests: list[Any], statuses: Any = None) -> bool:
             for k in sorted(self.test_some(requests), reverse=True):
                 del requests[k]
             return not requests
@@ -159,9 +181,10 @@ class Transport(ABC):
         """Whether :meth:`native_allreduce` can reduce ``dtype`` with ``op``."""
 
     @abstractmethod
-    def test_some(self, requests: list[Any]) -> list[int]:
+    def test_some(self, requests: list[Any], statuses: list[Any] | None = None) -> list[int]:
         """Indices of completed requests (completed entries are replaced by a
-        null request in place). Raises TransportError on a failed request."""
+        null request in place; ``statuses[k]``, from :meth:`statuses`, says
+        what request ``k`` got). Raises TransportError on a failed request."""
 
     @abstractmethod
     def abandon(self, request: Any) -> None:
