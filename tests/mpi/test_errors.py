@@ -405,6 +405,46 @@ def test_a_size_mismatch_on_the_message_path_is_never_a_silent_result(
             assert o[1], "a timeout names the ranks it waited for"
 
 
+@pytest.mark.parametrize("root_is_last", [False, True], ids=["root-0", "root-last"])
+def test_a_broadcast_with_a_count_mismatch_never_returns_wrong_data(root_is_last: bool) -> None:
+    """The last rank passes one element more. A broadcast has no reduction,
+    so ranks whose messages all had their size get the root's data; the
+    last rank, a reader, gets a short message and says so; as the root, its
+    readers' receives are too small (truncated) and they say so."""
+    if SIZE == 1:
+        pytest.skip("a mismatch needs two ranks")
+    root = SIZE - 1 if root_is_last else 0
+    last = RANK == SIZE - 1
+    buf = np.full(5 + last, RANK, np.float32)
+    with message_path():
+        c = wagma_comm.init(timeout=3)
+    try:
+        outcome: tuple[Any, ...]
+        try:
+            c.broadcast(buf, root=root)
+            outcome = ("done", buf.tolist())
+        except wagma_comm.MessageSizeError as err:
+            outcome = ("size", err.ranks, err.expected, err.received)
+        except wagma_comm.CollectiveTimeoutError as err:
+            outcome = ("timeout", err.ranks)
+    finally:
+        c.close()
+    outcomes = WORLD.allgather(outcome)
+    for r, o in enumerate(outcomes):
+        if o[0] == "done":
+            assert o[1] == [float(root)] * (5 + (r == SIZE - 1)), (r, o)
+        elif o[0] == "size":
+            assert r != root and len(o[1]) == 1
+            assert (o[2], o[3]) == ((24, 20) if r == SIZE - 1 else (20, None)), (r, o)
+        else:
+            assert o[1], "a timeout names the ranks it waited for"
+    assert outcomes[root][0] == "done"  # the root only sends
+    if not root_is_last:
+        assert outcomes[SIZE - 1][0] == "size"  # its message was short
+    else:  # every reader the root sends to directly
+        assert any(o[0] == "size" for r, o in enumerate(outcomes) if r != root)
+
+
 def test_the_mpi_transport_tells_short_and_long_messages_apart() -> None:
     """The pieces the size check stands on, on this rank alone (messages to
     itself over MPI_COMM_SELF): each test call reports a short message's
