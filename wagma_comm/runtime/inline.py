@@ -305,7 +305,7 @@ class ProgramRun:
         base = transport.tag_base(seq)
         test_one, test_some = transport.test_one, transport.test_some
         expected, status, statuses = program.expected, program.status, program.statuses
-        size = transport.received_bytes
+        size, receive_buffer = transport.received_bytes, transport.receive_buffer
         total = len(kinds)
         pos, completed = self.pos, self.completed
         try:
@@ -331,7 +331,7 @@ class ProgramRun:
                     if kind == SEND:
                         requests.append(isend(arr, peers[i], base | msgs[i]))
                     elif kind == RECV:
-                        requests.append(irecv(arr, peers[i], base | msgs[i]))
+                        requests.append(irecv(receive_buffer(arr), peers[i], base | msgs[i]))
                     else:
                         requests.append(actions[i](arr))
                     owners.append(i)

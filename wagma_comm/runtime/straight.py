@@ -73,7 +73,7 @@ class StraightLine:
                  channel: str) -> None:
         self.program, self.order = program, order
         self._transport, self._tag_base = transport, transport.tag_base
-        self._scratch_slots: list[Slot] = []
+        self._scratch_slots: list[tuple[Slot, bool]] = []  # (slot, received into)
         # Per wait: the statuses its test fills (None: the transport cannot
         # tell sizes) and (position in the wait, op) of each receive in it.
         self._waits: list[tuple[list[Any] | None, list[tuple[int, int]]]] = []
@@ -84,19 +84,22 @@ class StraightLine:
         # the generated function: no argument to pass per call.
         self._globals: dict[str, Any] = {
             "q": self.requests, "s": (), "isend": isend, "irecv": irecv,
-            "test_all": transport.tester(), "wait": wait, "Missized": _Missized}
+            "test_all": transport.tester(), "wait": wait, "Missized": _Missized,
+            "rb": transport.receive_buffer}
         self.source = self._generate(program.schedule, self._globals)
         exec(compile(self.source, f"<straight {program.schedule.collective}>", "exec"),
              self._globals)
         self._fn = self._globals["run"]
 
-    def _expr(self, slot: Slot, count: int) -> str:
+    def _expr(self, slot: Slot, count: int, receive: bool = False) -> str:
+        """The expression for ``slot``; a receive's as the transport's
+        receive buffer (made once, in :meth:`bind`, for scratch)."""
         if slot.buf != DATA:
-            self._scratch_slots.append(slot)
+            self._scratch_slots.append((slot, receive))
             return f"s[{len(self._scratch_slots) - 1}]"
-        if slot.offset == 0 and slot.count == count:
-            return "data"
-        return f"data[{slot.offset}:{slot.offset + slot.count}]"
+        expr = "data" if slot.offset == 0 and slot.count == count else \
+            f"data[{slot.offset}:{slot.offset + slot.count}]"
+        return f"rb({expr})" if receive else expr
 
     def _generate(self, schedule: Schedule, constants: dict[str, Any]) -> str:
         program, count = self.program, schedule.count
@@ -111,7 +114,7 @@ class StraightLine:
                     lines.append(f"    q[{i}] = isend({self._expr(op.src, count)}, "
                                  f"{program.peers[i]}, base | {program.msgs[i]})")  # type: ignore[index]
                 elif k == RECV:
-                    lines.append(f"    q[{i}] = irecv({self._expr(op.dst, count)}, "
+                    lines.append(f"    q[{i}] = irecv({self._expr(op.dst, count, True)}, "
                                  f"{program.peers[i]}, base | {program.msgs[i]})")  # type: ignore[index]
                 else:
                     assert k == NATIVE
@@ -155,7 +158,10 @@ class StraightLine:
 
     def bind(self, scratch: dict[str, np.ndarray]) -> None:
         """Use ``scratch`` (the program's arrays by name) from now on."""
-        self._globals["s"] = tuple(view(scratch, slot) for slot in self._scratch_slots)
+        receive_buffer = self._transport.receive_buffer
+        self._globals["s"] = tuple(receive_buffer(view(scratch, slot)) if receive
+                                   else view(scratch, slot)
+                                   for slot, receive in self._scratch_slots)
 
     def run(self, data: np.ndarray, seq: int, deadline: float,
             patience: float) -> tuple[str, int] | None:

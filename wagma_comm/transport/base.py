@@ -77,6 +77,11 @@ class Transport(ABC):
             return self.irecv(array, peer, channel, tag >> MSG_BITS, tag & MSG_MASK)
         return isend, irecv
 
+    def receive_buffer(self, array: np.ndarray) -> Any:
+        """What a receive into ``array`` passes to :meth:`posters`' irecv
+        (made once for a buffer received into again and again)."""
+        return array
+
     def tag_base(self, seq: int) -> int:
         """The tag bits of sequence number ``seq`` for :meth:`posters`."""
         return seq << MSG_BITS
