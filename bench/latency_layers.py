@@ -16,7 +16,9 @@ and prints wall time, CPU time per rank and failed polls (each followed by
 sched_yield) per call. On an oversubscribed machine wall time is about CPU per
 rank x ranks / cores, so the CPU column says what each layer costs.
 
-    mpiexec -n 8 .venv/bin/python bench/latency_layers.py   # bench/results/latency-layers-8.txt
+    mpiexec -n 8 -genv WAGMA_SHM 0 .venv/bin/python bench/latency_layers.py
+    # bench/results/latency-layers-8.txt; without WAGMA_SHM=0 the small call
+    # goes through shared memory, which has no schedule to probe
 
 It reaches into the engine (``_prepared``, ``program``) and counts yields
 by replacing the inline and straight modules' ``os``: a measurement, not part of
@@ -94,8 +96,7 @@ def main() -> None:
     def straight_line() -> None:
         program.prepare()
         seq[0] += 1
-        assert line.run(buf, comm._transport.tag_base(seq[0]), time.monotonic() + 60,
-                        0.02) is None
+        assert line.run(buf, seq[0], time.monotonic() + 60, 0.02) is None
 
     impls: dict[str, Callable[[], object]] = {
         "MPI_Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),

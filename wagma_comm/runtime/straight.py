@@ -137,8 +137,9 @@ class StraightLine:
         """Wait ``point``: test ``ops`` together, then check the size of each
         receive among them (the statuses ``t{point}`` are a constant)."""
         program = self.program
-        statuses = self._transport.statuses(len(ops))
         recvs = [(j, i) for j, i in enumerate(ops) if program.kinds[i] == RECV]
+        # Only a wait with a receive fills statuses (copied on every test).
+        statuses = self._transport.statuses(len(ops)) if recvs else None
         self._waits.append((statuses, recvs))
         constants[f"t{point}"] = statuses
         lines = [f"    w = [{', '.join(f'q[{i}]' for i in ops)}]",

@@ -188,8 +188,9 @@ class Transport(ABC):
     @abstractmethod
     def test_some(self, requests: list[Any], statuses: list[Any] | None = None) -> list[int]:
         """Indices of completed requests (completed entries are replaced by a
-        null request in place; ``statuses[k]``, from :meth:`statuses`, says
-        what request ``k`` got). Raises TransportError on a failed request."""
+        null request in place; ``statuses``, from :meth:`statuses`, says what
+        each got, in the order of the returned indices, as MPI_Testsome
+        fills them). Raises TransportError on a failed request."""
 
     @abstractmethod
     def abandon(self, request: Any) -> None:
