@@ -129,6 +129,33 @@ def main() -> None:
                     raise wagma_comm.WagmaError("a round averaged the dead rank's torn model")
                 time.sleep(0.002)
         record(comm, board_steps)
+    elif CASE in ("gpu_allreduce", "gpu_group_allreduce", "gpu_absent"):
+        # NCCL on GPU buffers: the victim dies inside the NCCL collective (or,
+        # "gpu_absent", before it, so the survivors' kernels wait for a rank
+        # that never posts). The survivors' GPU queue must abort NCCL, so no
+        # kernel stays blocked, and fail with RankFailedError naming it.
+        import cupy
+
+        cupy.cuda.Device(0).use()
+        gpu_big = cupy.ones(64 << 20, dtype=cupy.float32)  # 256 MiB
+        comm.allreduce(cupy.ones(4, dtype=cupy.float32))  # NCCL is up (round 1)
+        if victim:
+            die_soon(0.3 if CASE == "gpu_absent" else 0.02)
+            if CASE == "gpu_absent":
+                time.sleep(60)
+        if CASE == "gpu_group_allreduce":
+            record(comm, lambda: [comm.group_allreduce(gpu_big, 2, s) for s in range(20)])
+        else:
+            record(comm, lambda: [comm.allreduce(gpu_big) for _ in range(20)])
+        # The GPU is free again: no survivor's kernel is stuck on the device.
+        probe = cupy.arange(1 << 20, dtype=cupy.float32)
+        cupy.cuda.Device(0).synchronize()
+        assert float(probe.sum()) == (1 << 20) * ((1 << 20) - 1) / 2
+        with open(os.path.join(OUT, f"rank{me}.json")) as f:
+            report = json.load(f)
+        report["device_free"] = True
+        with open(os.path.join(OUT, f"rank{me}.json"), "w") as f:
+            json.dump(report, f)
     elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
         if victim:
             die_soon(0.01)

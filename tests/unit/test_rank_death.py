@@ -20,6 +20,7 @@ well within twice the timeout:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,16 +50,20 @@ CASES = {
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed")
 
 
-def run_case(case: str, out: Path) -> tuple[float, str, dict[int, dict]]:
-    command = (f"trap '' USR1; {sys.executable} {SCENARIO} {case} {VICTIM} {TIMEOUT_S} "
+def run_case(case: str, out: Path, ranks: int = RANKS, timeout: float = TIMEOUT_S,
+             env: dict[str, str] | None = None) -> tuple[float, str, dict[int, dict]]:
+    """Run one scenario; (seconds, launcher stderr, each rank's report and
+    exit status). ``env`` adds variables (the GPU cases: NCCL's)."""
+    command = (f"trap '' USR1; {sys.executable} {SCENARIO} {case} {VICTIM} {timeout} "
                f"{out}; echo $? > {out}/status$PMI_RANK")
     started = time.monotonic()
     proc = subprocess.run(
-        [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(RANKS), "sh", "-c", command],
-        capture_output=True, text=True, timeout=20 * TIMEOUT_S, cwd=ROOT)
+        [str(MPIEXEC), "-disable-auto-cleanup", "-n", str(ranks), "sh", "-c", command],
+        capture_output=True, text=True, timeout=20 * timeout, cwd=ROOT,
+        env=None if env is None else {**os.environ, **env})
     elapsed = time.monotonic() - started
     outcomes: dict[int, dict] = {}
-    for r in range(RANKS):
+    for r in range(ranks):
         report = out / f"rank{r}.json"
         status = out / f"status{r}"
         outcomes[r] = {
