@@ -359,6 +359,13 @@ class Communicator:
         ``first_round`` (any int >= 0): round r is round first_round + r (its
         group, and whether it is a sync round), as when resuming there.
         See docs/partial.md."""
+        if cuda_device(buf) is not None:  # data over NCCL (partial/device.py)
+            from .partial import device
+
+            return device.create_wait_avoiding(
+                self, buf, group_size, sync_every, activation=activation,
+                normalization=normalization, timeout=timeout, algorithm=algorithm,
+                first_round=first_round, grace=grace)
         from .partial import shared_wagma
 
         return shared_wagma.create(self, buf, group_size, sync_every, activation=activation,
@@ -371,6 +378,11 @@ class Communicator:
         """eager-SGD's solo allreduce of gradients: the first rank to arrive
         activates each round. Collective; see docs/partial.md.
         ``first_round`` as in :meth:`wait_avoiding_group_allreduce`."""
+        if cuda_device(buf) is not None:  # data over NCCL (partial/device.py)
+            from .partial import device
+
+            return device.create_eager(self, False, buf, sync_every, op=op, timeout=timeout,
+                                       algorithm=algorithm, first_round=first_round)
         from .partial.eager import SoloAllreduce
 
         return self._create_eager(SoloAllreduce(self, buf, sync_every, op=op, timeout=timeout,
@@ -382,6 +394,12 @@ class Communicator:
         """eager-SGD's majority allreduce: round ``t`` is activated by a rank
         drawn from (seed, first_round + t), the same on every rank.
         Collective; ``first_round`` as in :meth:`wait_avoiding_group_allreduce`."""
+        if cuda_device(buf) is not None:  # data over NCCL (partial/device.py)
+            from .partial import device
+
+            return device.create_eager(self, True, buf, sync_every, op=op, timeout=timeout,
+                                       algorithm=algorithm, first_round=first_round,
+                                       seed=seed)
         from .partial.eager import MajorityAllreduce
 
         return self._create_eager(MajorityAllreduce(self, buf, sync_every, seed=seed, op=op,
@@ -908,13 +926,14 @@ class Communicator:
                     raise UnsupportedError("buf", f"cuda:{device_id} buffer given but {reason}")
                 mpi = self._transport
 
-                def make(dev: int, stream: Any, deadline: float) -> Any:
+                def make(dev: int, stream: Any, deadline: float, watch: Any) -> Any:
                     return NCCLTransport(mpi.rank, mpi.size, dev, stream,
-                                         mpi.exchange_bytes, deadline)
+                                         mpi.exchange_bytes, deadline, watch)
 
                 live = self._liveness
                 self._gpu = GpuQueue(self._engine, device_id, make,
-                                     live.dead if live is not None else None)
+                                     live.dead if live is not None else None,
+                                     range(self.size))
             elif self._gpu.device_id != device_id:
                 raise UnsupportedError(
                     "buf", f"buffer is on cuda:{device_id} but this communicator's GPU "

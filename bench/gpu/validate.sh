@@ -41,6 +41,37 @@ for what in "${@:-tests}"; do
         env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
           -k partial > "$OUT/gpu-partial-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-partial-$n.log"
       done ;;
+    benchtests)
+      for n in 2 4; do
+        section "wagma bench --device cuda tests, $n ranks"
+        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
+          -k bench > "$OUT/gpu-benchtests-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-benchtests-$n.log"
+      done ;;
+    cost)
+      for n in 2 4; do
+        section "communicator cost, $n ranks"
+        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        env $extra timeout 200 "$MPIEXEC" -n $n python3 bench/gpu/comm_cost.py 2>&1 | tee "$OUT/gpu-comm-cost-$n.txt" | tail -8
+      done ;;
+    bench)
+      for n in 2 4; do
+        section "wagma bench --device cuda, $n ranks, against torch.distributed nccl"
+        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        for coll in allreduce group_allreduce wait_avoiding; do
+          env $extra timeout 200 "$MPIEXEC" -n $n python3 -m wagma_comm.cli bench $coll --device cuda \
+            -b 8 -e 128M -f 64 -d bfloat16 -c 1 --vs nccl --json "$OUT/gpu-bench-$coll-$n.json" \
+            2>&1 | tee "$OUT/gpu-bench-$coll-$n.txt" | grep -v "^#" | tail -8
+        done
+      done ;;
+    sass)
+      section "resource report and SASS of the kernels (sm_90)"
+      nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /tmp/k.cubin cuda/wagma_kernels.cu 2>&1 \
+        | grep -E "spill|Used" | sort | uniq -c | sort -rn | head -6
+      cuobjdump -sass /tmp/k.cubin > "$OUT/sass.txt"
+      echo "16-byte loads (LDG.E.128): $(grep -c 'LDG.E.128' "$OUT/sass.txt")," \
+        "16-byte stores (STG.E.128): $(grep -c 'STG.E.128' "$OUT/sass.txt")," \
+        "local memory (LDL/STL): $(grep -cE 'LDL|STL' "$OUT/sass.txt")" ;;
     *) echo "unknown section $what"; exit 2 ;;
   esac
 done

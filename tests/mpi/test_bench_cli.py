@@ -112,8 +112,8 @@ def test_check_detects_a_corrupted_result(comm: Communicator) -> None:
     args = build_parser().parse_args(["bench", "allreduce", "--vs", "none"])
     ctx = bench_cli.Context(args, comm, WORLD, dtype, [], list(range(SIZE)),
                             [list(range(SIZE))], SIZE)
-    buf = bench_cli.pattern(RANK, 16, dtype).copy()
-    arr = buf.view(np.float32)
+    mem = bench_cli.Memory(bench_cli.pattern(RANK, 16, dtype).copy(), dtype, "cpu")
+    arr = mem.arr
 
     def honest() -> None:
         comm.allreduce(arr, "sum")
@@ -122,7 +122,7 @@ def test_check_detects_a_corrupted_result(comm: Communicator) -> None:
         comm.allreduce(arr, "sum")
         arr[RANK % 16] += 1.0
 
-    wrong = bench_cli._check("allreduce", ctx, buf, {"honest": honest, "bad": corrupting})
+    wrong = bench_cli._check("allreduce", ctx, mem, {"honest": honest, "bad": corrupting})
     assert wrong == {"honest": 0, "bad": SIZE}
 
 

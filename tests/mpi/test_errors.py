@@ -126,6 +126,12 @@ BAD_INPUTS: list[tuple[str, Callable[[Communicator], Any], type, str]] = [
     ("normalization case", lambda c: c.wait_avoiding_group_allreduce(
         np.zeros(2), 1, 2, normalization="WAGMA"), wagma_comm.InvalidArgumentError,
      "normalization"),
+    ("wagma cuda without GPU transport", lambda c: c.wait_avoiding_group_allreduce(
+        _FakeCuda(), 1, 2), wagma_comm.UnsupportedError, "buf"),
+    ("solo cuda without GPU transport", lambda c: c.solo_allreduce(_FakeCuda(), 2),
+     wagma_comm.UnsupportedError, "buf"),
+    ("majority cuda without GPU transport", lambda c: c.majority_allreduce(_FakeCuda(), 2),
+     wagma_comm.UnsupportedError, "buf"),
     ("persistent read-only", lambda c: c.majority_allreduce(_readonly(), 2),
      wagma_comm.BufferError, "buf"),
     ("persistent timeout nan", lambda c: c.solo_allreduce(np.zeros(2), 2,

@@ -144,11 +144,52 @@ def _peer_calls(ctx: Context, make: Callable[[Any], Callable[[], object] | None]
     return out
 
 
-def _impls(coll: str, ctx: Context, buf: np.ndarray
+class Memory:
+    """The benchmark's buffer where ``--device`` puts it: ``arr`` is what the
+    implementations get (a NumPy array, or a torch CUDA tensor, which our
+    collectives and torch.distributed's nccl both take); ``load``/``read``
+    move the storage view in and out for checking."""
+
+    def __init__(self, host: np.ndarray, dtype: Any, device: str) -> None:
+        self.host, self.dtype, self.device = host, dtype, device
+        if device == "cpu":
+            self.arr: Any = host.view(dtype.numpy)
+            return
+        import torch
+
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        self._raw = torch.empty(host.size, dtype=bits[dtype.itemsize], device="cuda")
+        self.arr = self._raw.view(getattr(torch, dtype.name))
+        self.load(host)
+
+    def load(self, values: np.ndarray) -> None:
+        if self.device == "cpu":
+            self.host[:] = values
+            return
+        import torch
+
+        ints = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[self.dtype.itemsize]
+        self._raw.copy_(torch.from_numpy(np.ascontiguousarray(values).view(ints)))
+
+    def read(self) -> np.ndarray:
+        if self.device == "cpu":
+            return self.host
+        return self._raw.cpu().numpy().view(self.dtype.storage)
+
+    def sync(self) -> None:
+        """Wait for queued GPU work: a peer's call (torch.distributed) returns
+        once enqueued, ours once done, so each timed loop ends with this."""
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def _impls(coll: str, ctx: Context, mem: Memory
            ) -> tuple[dict[str, Callable[[], object]], list[Callable[[], None]]]:
     """Zero-argument calls per implementation, and what to close afterwards."""
     args, comm = ctx.args, ctx.comm
-    arr = buf.view(ctx.dtype.numpy)
+    arr = mem.arr
     impls: dict[str, Callable[[], object]] = {}
     closers: list[Callable[[], None]] = []
     algs = args.algorithms.split(",") if args.algorithms else [args.algorithm]
@@ -191,20 +232,22 @@ def effective_op(coll: str, op: str) -> str:
     return op
 
 
-def _check(coll: str, ctx: Context, buf: np.ndarray,
+def _check(coll: str, ctx: Context, mem: Memory,
            impls: dict[str, Callable[[], object]]) -> dict[str, int]:
     """#wrong per implementation (summed over ranks); -1 where not checked."""
     if not ctx.args.check or coll not in ("allreduce", "group_allreduce", "broadcast"):
         return {}
     members = list(range(ctx.comm.size)) if coll != "group_allreduce" else ctx.group
-    expected = check.expected_result(coll, members, buf.size, ctx.args.op, ctx.args.root)
+    count = mem.host.size
+    expected = check.expected_result(coll, members, count, ctx.args.op, ctx.args.root)
     wrong = {}
     for name, call in impls.items():
         if name == "wagma-global":
             continue
-        buf[:] = pattern(ctx.comm.rank, buf.size, ctx.dtype)
+        mem.load(pattern(ctx.comm.rank, count, ctx.dtype))
         call()
-        wrong[name] = ctx.world.allreduce(check.count_wrong(buf, ctx.dtype, expected))
+        mem.sync()
+        wrong[name] = ctx.world.allreduce(check.count_wrong(mem.read(), ctx.dtype, expected))
     return wrong
 
 
@@ -218,14 +261,14 @@ def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]
     rows = []
     for nb in sizes:
         count = max(1, nb // dtype.itemsize)
-        buf = pattern(ctx.comm.rank, count, dtype).copy()
-        impls, closers = _impls(coll, ctx, buf)
+        mem = Memory(pattern(ctx.comm.rank, count, dtype).copy(), dtype, args.device)
+        impls, closers = _impls(coll, ctx, mem)
         row = Row(coll, count * dtype.itemsize, count, dtype.name,
                   effective_op(coll, args.op), members)
-        wrong = _check(coll, ctx, buf, impls)
-        buf[:] = pattern(ctx.comm.rank, count, dtype)
+        wrong = _check(coll, ctx, mem, impls)
+        mem.load(pattern(ctx.comm.rank, count, dtype))
         timings = side_by_side(impls, iterations_for(row.nbytes, args.iters), args.warmup,
-                               args.rounds, ctx.world)
+                               args.rounds, ctx.world, mem.sync)
         for close in closers:
             close()
         factor = busbw_factor(coll, members)
@@ -254,12 +297,19 @@ def _emit(progress: Any, line: str) -> None:
     print(line, flush=True)
 
 
-def _check_device(device: str) -> None:
+def _check_device(device: str, collective: str) -> None:
+    """Refused before any communication: --device cuda without a GPU path here,
+    or with the host-only overlap benchmark."""
     from ..errors import UnsupportedError
+    from ..transport.nccl import unavailable_reason
 
-    if device == "cuda":
-        raise UnsupportedError("--device", "GPU buffers need the NCCL transport (issue #4), "
-                               "which this build does not have yet; use --device cpu")
+    if device != "cuda":
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        raise UnsupportedError("--device", f"cuda: {reason}")
+    if collective == "overlap":
+        raise UnsupportedError("--device", "the overlap benchmark runs on host memory")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     if args.collective == "imbalance":  # reached only with options before it
         raise SystemExit("wagma bench: 'imbalance' has options of its own; write it right "
                          "after 'bench': wagma bench imbalance [options]")
-    _check_device(args.device)
+    _check_device(args.device, args.collective)
     world = MPI.COMM_WORLD
     dtype = dtypes.lookup(args.dtype, "--dtype")
     dtypes.check_op(args.op, "--op")

@@ -26,12 +26,16 @@ class Timing:
     max: float
 
 
-def time_calls(call: Callable[[], object], iters: int, comm: MPI.Comm) -> float:
-    """Seconds per call for ``iters`` back-to-back calls, started together."""
+def time_calls(call: Callable[[], object], iters: int, comm: MPI.Comm,
+               sync: Callable[[], None] | None = None) -> float:
+    """Seconds per call for ``iters`` back-to-back calls, started together;
+    ``sync`` (GPU buffers) waits for work the calls only queued."""
     comm.Barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
+    if sync is not None:
+        sync()
     return (time.perf_counter() - t0) / iters
 
 
@@ -42,15 +46,18 @@ def alternating(names: Sequence[str], r: int) -> list[str]:
 
 
 def side_by_side(impls: dict[str, Callable[[], object]], iters: int, warmup: int,
-                 rounds: int, comm: MPI.Comm) -> dict[str, Timing]:
+                 rounds: int, comm: MPI.Comm,
+                 sync: Callable[[], None] | None = None) -> dict[str, Timing]:
     """Time every implementation in alternating rounds; reduce over ranks."""
     for call in impls.values():
         for _ in range(warmup):
             call()
+        if sync is not None:
+            sync()
     samples: dict[str, list[float]] = {name: [] for name in impls}
     for r in range(rounds):
         for name in alternating(list(impls), r):
-            samples[name].append(time_calls(impls[name], iters, comm))
+            samples[name].append(time_calls(impls[name], iters, comm, sync))
     out = {}
     for name, values in samples.items():
         mine = statistics.median(values)

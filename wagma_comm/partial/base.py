@@ -49,6 +49,7 @@ from ..runtime.handle import Handle
 from ..schedule import algorithms
 from ..schedule.ir import DATA
 from .info import RoundInfo, Telemetry
+from .memory import HostMemory
 
 _TOKEN_WORDS = 4  # collective id, round, root, sender
 # The round of a token that says "closed: no more tokens from me" (close()).
@@ -183,7 +184,7 @@ class PartialCollective:
                  algorithm: str | None, first_round: int = 0) -> None:
         check_sync_every(sync_every)
         self.first_round = check_first_round(first_round)
-        buffer = as_buffer(buf, "buf")
+        buffer = self._intake(buf)
         self._comm = comm
         self._engine = comm._engine
         self._transport = comm._transport
@@ -200,6 +201,7 @@ class PartialCollective:
                 f"identical results on every member), got {algorithm!r}")
         self._algorithm = algorithm
         self._one = self._one_bits()
+        self._mem = self._memory()
         self._lock = threading.Lock()
         self._inbox: deque[tuple[str, Any]] = deque()
         self._free: list[np.ndarray] = []
@@ -258,6 +260,7 @@ class PartialCollective:
             t = self._app_round
             self._app_round += 1
             self._contribute(data, t)
+            self._mem.settle()  # the caller may reuse ``buf`` once we return
             staleness = max(0, self._started - t + 1)
             call = self._new_call("step", t, data, owner, staleness)
             late = None
@@ -284,7 +287,7 @@ class PartialCollective:
         if buf is not None:
             data, owner = self._check_buf(buf)
         elif self._flush_needs_data():  # the result must land somewhere
-            data, owner = self._template.host_array(), self._template.owner
+            data, owner = self._template_data()
         else:
             data, owner = None, None
         self._check_usable()
@@ -385,6 +388,7 @@ class PartialCollective:
         try:
             if call.data is not None:
                 self._finalize(call, res)
+                self._mem.settle()  # the result is in memory before the handle completes
         except WagmaError as exc:
             call.handle._complete(None, exc)
             return
@@ -518,7 +522,7 @@ class PartialCollective:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return np.empty(self.count + self.size, dtype=self.dtype.storage)
+        return self._new_buffer()
 
     def _release(self, res: Result) -> None:
         """(under _lock) Drop a reader; recycle a retired buffer nobody reads."""
@@ -546,11 +550,12 @@ class PartialCollective:
         self._set_flags(buf, members, fresh)
         if synchronized:
             self._check_arrivals(r)
-        stages = [self._data_stage(self._ch_data, buf, members, "round data exchange")]
         with self._lock:
             patient = r == self._ready_started and r not in self._pending
-        self._round_work = self._launch(r, stages, lambda res, err: self._round_done(
-            r, buf, members, step, root, synchronized, err), patient=patient)
+        self._round_work = self._exchange(
+            r, buf, members, self._ch_data, "round data exchange", [],
+            lambda res, err: self._round_done(r, buf, members, step, root, synchronized, err),
+            "round", patient)
 
     def _check_arrivals(self, r: int) -> None:
         """A synchronous round's arrival check, beside its data exchange rather
@@ -586,14 +591,14 @@ class PartialCollective:
         with self._lock:
             self._flush_snapshot(buf[:self.count], call)
         self._set_flags(buf, everyone, True)
-        stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, FLUSH_ROUND),
-                  self._data_stage(self._ch_fdata, buf, everyone, "flush data exchange")]
+        arrival = self._arrival_stage(self._ch_fctl, k, call.iteration, FLUSH_ROUND)
 
         def done(res: Any, err: BaseException | None) -> None:
             result = None if err else Result(buf, call.iteration, None, everyone, everyone,
                                              None, True)
             self._final_done(call, result, err)
-        self._launch(k, stages, done, space="final")
+        self._exchange(k, buf, everyone, self._ch_fdata, "flush data exchange", [arrival],
+                       done, "final", False)
 
     def _launch(self, seq: int, stages: list[Stage],
                 on_complete: Callable[[Any, BaseException | None], None],
@@ -616,6 +621,16 @@ class PartialCollective:
         return Work(seq, self.kind, handle, stages, deadline, self.timeout,
                     space=(self, space), on_complete=on_complete, patient=patient,
                     rings=True)
+
+    def _exchange(self, seq: int, buf: np.ndarray, members: tuple[int, ...], channel: str,
+                  label: str, before: list[Stage],
+                  on_complete: Callable[[Any, BaseException | None], None], space: str,
+                  patient: bool) -> Any:
+        """Run ``before`` (host stages), then the sum of ``buf`` (data and
+        member flags) over ``members``; the one round in flight. Host memory:
+        one engine Work (the GPU path overrides this: partial/device.py)."""
+        return self._launch(seq, [*before, self._data_stage(channel, buf, members, label)],
+                            on_complete, space=space, patient=patient)
 
     def _data_stage(self, channel: str, buf: np.ndarray, members: tuple[int, ...],
                     label: str) -> Stage:
@@ -660,7 +675,7 @@ class PartialCollective:
             self._break(err if isinstance(err, WagmaError) else WagmaError(str(err)))
             return
         n = len(members)
-        flags = buf[self.count:self.count + n]
+        flags = self._flags_of(buf, n)
         fresh = tuple(m for k, m in enumerate(members) if flags[k] != 0)
         res = Result(buf, r, step, members, fresh, root, synchronized)
         if synchronized:
@@ -846,10 +861,8 @@ class PartialCollective:
 
     # -- helpers ------------------------------------------------------------------
     def _set_flags(self, buf: np.ndarray, members: tuple[int, ...], fresh: bool) -> None:
-        flags = buf[self.count:self.count + len(members)]
-        flags.fill(0)
-        if fresh:
-            flags[members.index(self.rank)] = self._one
+        self._mem.set_flags(buf[self.count:self.count + len(members)],
+                            members.index(self.rank) if fresh else None, self._one)
 
     def _one_bits(self) -> Any:
         if self.dtype.is_half:
@@ -862,6 +875,27 @@ class PartialCollective:
                 self.telemetry.fresh_contributions += 1
             else:
                 self.telemetry.stale_contributions += 1
+
+    # -- where the data lives (host memory here; partial/device.py for GPUs) -----------
+    def _intake(self, buf: Any) -> Any:
+        """The creation buffer, checked (``buffers.Buffer``)."""
+        return as_buffer(buf, "buf")
+
+    def _memory(self) -> Any:
+        """Where rounds keep their data, and how they copy, add and average it."""
+        return HostMemory(self.dtype)
+
+    def _new_buffer(self) -> np.ndarray:
+        """A round buffer: the data, then one flag per rank."""
+        return self._mem.empty(self.count + self.size)
+
+    def _flags_of(self, buf: np.ndarray, n: int) -> np.ndarray:
+        """A completed round's ``n`` summed member flags, readable on the host."""
+        return self._mem.to_host(buf[self.count:self.count + n])
+
+    def _template_data(self) -> tuple[Any, Any]:
+        """The creation buffer as step data (where a flush lands by default)."""
+        return self._template.host_array(), self._template.owner
 
     # -- hooks ----------------------------------------------------------------------
     def _activates(self, t: int) -> bool:

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..kernels import host as host_kernels
 from ..runtime import activation
 from .base import PartialCollective, Result, _Call
 
@@ -47,7 +46,7 @@ class SoloAllreduce(PartialCollective):
             raise InvalidArgumentError("op", f"expected one of {list(EAGER_OPS)}, got {op!r}")
         super().__init__(comm, buf, sync_every, timeout, algorithm, first_round)
         self.op = op
-        self._acc = np.zeros(self.count, dtype=self.dtype.storage)
+        self._acc = self._mem.zeros(self.count)
         self._acc_iterations: list[int] = []
         self._results: dict[int, Result] = {}
 
@@ -58,16 +57,16 @@ class SoloAllreduce(PartialCollective):
 
     def _contribute(self, data: np.ndarray, t: int) -> None:
         if self._acc_iterations:
-            host_kernels.reduce_into(self._acc, data, "sum", self.dtype)
+            self._mem.add(self._acc, data)
         else:
-            np.copyto(self._acc, data)
+            self._mem.copy(self._acc, data)
         self._acc_iterations.append(t)
 
     def _snapshot(self, dst: np.ndarray, r: int) -> bool:
         if self._acc_iterations:
-            np.copyto(dst, self._acc)
+            self._mem.copy(dst, self._acc)
         else:
-            dst.fill(0)
+            self._mem.zero(dst)
         fresh = r in self._acc_iterations
         self._acc_iterations.clear()
         return fresh
@@ -92,9 +91,9 @@ class SoloAllreduce(PartialCollective):
         assert out is not None
         total = res.array[:self.count]
         if self.op == "avg":
-            host_kernels.average_into(out, [total], self.size, self.dtype)
+            self._mem.average(out, [total], self.size)
         else:
-            np.copyto(out, total)
+            self._mem.copy(out, total)
 
     def _leftover(self) -> str:
         parts = []

@@ -28,7 +28,6 @@ import numpy as np
 
 from .. import groups as groups_mod
 from ..errors import InvalidArgumentError
-from ..kernels import host as host_kernels
 from ..runtime.activation import FLAT_MAX, group_step
 from .base import PartialCollective, Result, _Call
 
@@ -81,7 +80,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         self.grace = float(grace)
         # Before anything is published the contribution is the initial model
         # (the creation buffer, which all ranks share), never uninitialised memory.
-        self._published = np.array(self._template.host_array(), copy=True)
+        self._published = self._mem.clone(self._template_data()[0])
         self._published_round = -1
         self._latest: Result | None = None
 
@@ -105,6 +104,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         with self._lock:
             t = self._app_round
             self._contribute(data, t)
+            self._mem.settle()  # the caller may change ``buf`` once we return
         if ready:
             self._ready_promised = t
             # No wake-up from a nap (at most 1 ms: a wake-up here costs a
@@ -127,11 +127,11 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     # -- what ----------------------------------------------------------------
     def _contribute(self, data: np.ndarray, t: int) -> None:
-        np.copyto(self._published, data)
+        self._mem.copy(self._published, data)
         self._published_round = t
 
     def _snapshot(self, dst: np.ndarray, r: int) -> bool:
-        np.copyto(dst, self._published)
+        self._mem.copy(dst, self._published)
         return self._published_round == r
 
     def _flush_needs_data(self) -> bool:
@@ -139,7 +139,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     def _flush_snapshot(self, dst: np.ndarray, call: _Call) -> None:
         assert call.data is not None
-        np.copyto(dst, call.data)
+        self._mem.copy(dst, call.data)
 
     def _late_result(self, t: int) -> Result:
         res = self._latest
@@ -157,13 +157,13 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         out = call.data
         assert out is not None
         if res.synchronized or self.normalization == "mean":
-            host_kernels.average_into(out, [total], n, self.dtype)
+            self._mem.average(out, [total], n)
         else:
-            host_kernels.average_into(out, [total, out], n + 1, self.dtype)
+            self._mem.average(out, [total, out], n + 1)
         if res.synchronized:
             with self._lock:  # the synchronized model is what this rank now has
                 if self._published_round <= res.round:
-                    np.copyto(self._published, out)
+                    self._mem.copy(self._published, out)
 
     def _extra_statistics(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "activation": self.activation,

@@ -64,8 +64,9 @@ class GpuQueue:
     """Service of one communicator's engine for its GPU buffers (one device)."""
 
     def __init__(self, engine: Any, device_id: int,
-                 make_transport: Callable[[int, Any, float], Any],
-                 dead_peers: Callable[[Sequence[int]], list[int]] | None = None) -> None:
+                 make_transport: Callable[[int, Any, float, Any], Any],
+                 dead_peers: Callable[[Sequence[int]], list[int]] | None = None,
+                 world: Sequence[int] = ()) -> None:
         import cupy
 
         self.device_id = device_id
@@ -76,6 +77,7 @@ class GpuQueue:
         self._engine = engine
         self._make_transport = make_transport
         self._dead_peers = dead_peers
+        self._world = tuple(world)
         self._lock = threading.Lock()
         self._queue: deque[GpuWork] = deque()
         self._in_flight: deque[GpuWork] = deque()
@@ -131,6 +133,7 @@ class GpuQueue:
                 self.transport = self._setup(work)
                 _log.debug("NCCL %s ready in %.3fs", self.transport.nccl_version,
                            self.transport.init_seconds)
+            self.transport.watch = self._watch(work)
             group = None
             try:
                 if work.partition is not None:
@@ -144,7 +147,8 @@ class GpuQueue:
 
     def _setup(self, work: GpuWork) -> Any:
         try:
-            return self._make_transport(self.device_id, self.stream, work.deadline)
+            return self._make_transport(self.device_id, self.stream, work.deadline,
+                                        self._watch(work))
         except TimeoutError as exc:
             raise self._timeout_error(work, f"NCCL initialisation: {exc}") from exc
         except ImportError as exc:
@@ -181,12 +185,26 @@ class GpuQueue:
                                           "a member's process died; NCCL communicators "
                                           "aborted")
 
+    def _watch(self, work: GpuWork) -> Callable[[], None] | None:
+        """What NCCL's settle loops call while ``work`` sets up or issues: a
+        dead member is named at once (RankFailedError), not at the deadline."""
+        if self._dead_peers is None:
+            return None
+        dead_peers = self._dead_peers
+
+        def check() -> None:
+            members = work.schedule.ranks
+            dead = dead_peers(members)
+            if dead:
+                raise RankFailedError(work.collective, work.seq, dead,
+                                      "a member's process died while NCCL was setting up "
+                                      "or issuing; NCCL communicators aborted"
+                                      + dead_elsewhere(dead_peers, members, self._world))
+        return check
+
     def _timeout_error(self, work: GpuWork, what: str) -> CollectiveTimeoutError:
-        members = [r for r in work.schedule.ranks if r != work.schedule.rank]
-        dead = self._dead_peers(work.schedule.ranks) if self._dead_peers else []
-        blamed = dead or members
-        why = ("these members' processes are gone" if dead else
-               "NCCL does not say which members arrived; these are the other members")
+        blamed, why = timeout_blame(self._dead_peers, work.schedule.ranks, work.schedule.rank,
+                                    self._world)
         return CollectiveTimeoutError(
             work.collective, work.seq, blamed,
             f"GPU collective {what}; NCCL communicators aborted, the GPU path of this "
@@ -221,6 +239,31 @@ class GpuQueue:
         """Called after the engine drained: release the NCCL communicators."""
         if self.transport is not None and self.broken is None:
             self.transport.close(deadline)
+
+
+def timeout_blame(dead_peers: Callable[[Sequence[int]], list[int]] | None,
+                  members: Sequence[int], me: int,
+                  world: Sequence[int]) -> tuple[list[int], str]:
+    """Whom a GPU collective's timeout names, and why: its dead members if
+    the liveness check found any, else (NCCL does not say who arrived) all
+    other members; and any dead rank outside the group, which a member may
+    have stopped for (a cascade: it failed first, then left)."""
+    dead = dead_peers(members) if dead_peers is not None else []
+    if dead:
+        return dead, "these members' processes are gone" + dead_elsewhere(dead_peers, members,
+                                                                           world)
+    return [r for r in members if r != me], (
+        "NCCL does not say which members arrived; these are the other members"
+        + dead_elsewhere(dead_peers, members, world))
+
+
+def dead_elsewhere(dead_peers: Callable[[Sequence[int]], list[int]] | None,
+                   members: Sequence[int], world: Sequence[int]) -> str:
+    """A note naming the dead ranks outside ``members`` (empty if none): a
+    member may have stopped because of them, and then left."""
+    others = dead_peers([r for r in world if r not in members]) if dead_peers else []
+    return (f"; ranks {others}, outside this group, are dead: a member may have stopped "
+            "because of them" if others else "")
 
 
 @lru_cache(maxsize=512)

@@ -62,6 +62,55 @@ def _status(exc: BaseException) -> int | None:
     return None if status is None else int(status)
 
 
+Watch = Callable[[], None]
+"""Called every _WATCH_S while a call settles; raises (RankFailedError) when
+a member has died, so a dead peer is named at once, not at the deadline."""
+_WATCH_S = 0.25
+
+
+def settle(nb: Any, comm: Any, deadline: float, what: str, watch: Watch | None = None) -> None:
+    """Wait until a non-blocking communicator has finished its last call
+    (ncclInProgress -> ncclSuccess), at most until ``deadline`` (then
+    TimeoutError). ``nb``: nccl4py's raw bindings."""
+    next_watch = time.monotonic() + _WATCH_S
+    while True:
+        try:
+            state = int(nb.comm_get_async_error(comm._comm))
+        except Exception as exc:  # noqa: BLE001 -- say which call it was
+            raise TransportError(f"NCCL {what}: polling its state failed: {exc}",
+                                 _status(exc)) from exc
+        if state == 0:
+            return
+        if state != NCCL_IN_PROGRESS:
+            raise TransportError(f"NCCL {what} failed: {nb.get_error_string(state)}"
+                                 if hasattr(nb, "get_error_string")
+                                 else f"NCCL {what} failed with code {state}", state)
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"NCCL {what} still in progress at the deadline")
+        if watch is not None and now >= next_watch:
+            next_watch = now + _WATCH_S
+            watch()
+        time.sleep(_SETTLE_SLEEP_S)
+
+
+def call_settled(nb: Any, call: Any, comm: Any, deadline: float, what: str,
+                 watch: Watch | None = None) -> Any:
+    """Run one NCCL call; on a non-blocking communicator it may answer
+    ncclInProgress, and the communicator must settle before the next call.
+    ``comm`` None: the call makes the communicator (it returns it)."""
+    try:
+        result = call()
+    except Exception as exc:  # nccl4py raises NCCLError for any non-success
+        if _status(exc) != NCCL_IN_PROGRESS:
+            raise TransportError(f"NCCL {what} failed: {exc}", _status(exc)) from exc
+        result = None
+    target = comm if comm is not None else result
+    if target is not None:
+        settle(nb, target, deadline, what, watch)
+    return result
+
+
 @dataclass
 class Pending:
     """A collective enqueued on the stream: done when ``event`` has fired."""
@@ -77,7 +126,7 @@ class NCCLTransport:
 
     def __init__(self, rank: int, size: int, device_id: int, stream: Any,
                  exchange_bytes: Callable[[bytes | None, int, float], bytes],
-                 deadline: float) -> None:
+                 deadline: float, watch: Watch | None = None) -> None:
         """Join the world communicator (collective over all ranks). ``stream``
         is the communicator's stream on ``device_id``; ``exchange_bytes``
         broadcasts rank 0's NCCL unique id over MPI."""
@@ -88,6 +137,8 @@ class NCCLTransport:
         from ..kernels.device import kernels
 
         self._cp, self._nc, self._nb = cupy, nc, nb
+        # Set by the GPU queue for each collective it issues (runtime/gpu.py).
+        self.watch = watch
         self.rank, self.size = rank, size
         self.device_id = device_id
         self._device = cupy.cuda.Device(device_id)
@@ -122,38 +173,8 @@ class NCCLTransport:
         return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
 
     # -- issuing ------------------------------------------------------------
-    def _settle(self, comm: Any, deadline: float, what: str) -> None:
-        """Wait until a non-blocking communicator has finished the last call
-        (ncclInProgress -> ncclSuccess), at most until ``deadline``."""
-        while True:
-            try:
-                state = int(self._nb.comm_get_async_error(comm._comm))
-            except Exception as exc:  # noqa: BLE001 -- say which call it was
-                raise TransportError(f"NCCL {what}: polling its state failed: {exc}",
-                                     _status(exc)) from exc
-            if state == 0:
-                return
-            if state != NCCL_IN_PROGRESS:
-                raise TransportError(f"NCCL {what} failed: {self._nb.get_error_string(state)}"
-                                     if hasattr(self._nb, "get_error_string")
-                                     else f"NCCL {what} failed with code {state}", state)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NCCL {what} still in progress at the deadline")
-            time.sleep(_SETTLE_SLEEP_S)
-
     def _call_settled(self, call: Any, comm: Any, deadline: float, what: str) -> Any:
-        """Run one NCCL call; on a non-blocking communicator it may answer
-        ncclInProgress, and the communicator must settle before the next."""
-        try:
-            result = call()
-        except Exception as exc:  # nccl4py raises NCCLError for any non-success
-            if _status(exc) != NCCL_IN_PROGRESS:
-                raise TransportError(f"NCCL {what} failed: {exc}", _status(exc)) from exc
-            result = None
-        target = comm if comm is not None else result
-        if target is not None:
-            self._settle(target, deadline, what)
-        return result
+        return call_settled(self._nb, call, comm, deadline, what, self.watch)
 
     def group_comm(self, ranks: tuple[int, ...], partition: tuple[tuple[int, ...], ...],
                    deadline: float) -> Any:
