@@ -357,6 +357,9 @@ class DevicePartial:
     def _issue(self, rnd: DeviceRound, ready: Any) -> None:
         try:
             self._dev.start(rnd, self.count + len(rnd.members), ready)
+        except TransportError as exc:
+            self._abort_round(rnd, self._attribute(rnd, exc))
+            return
         except WagmaError as exc:
             self._abort_round(rnd, exc)
             return
@@ -401,7 +404,15 @@ class DevicePartial:
                                    f"{rnd.label}: a member's process died; NCCL "
                                    "communicators aborted")
         problem = self._dev.async_error()
-        return None if problem is None else TransportError(f"{rnd.label}: {problem}")
+        return None if problem is None else self._attribute(rnd, TransportError(problem))
+
+    def _attribute(self, rnd: DeviceRound, error: TransportError) -> WagmaError:
+        """An NCCL error in a round: RankFailedError if a member is gone."""
+        dead = self._dead(rnd.members)
+        if dead:
+            return RankFailedError(self.kind, rnd.seq, dead, f"{rnd.label}: a member's process "
+                                   f"died (NCCL: {error}); NCCL communicators aborted")
+        return TransportError(f"{self.kind} (round {rnd.seq}), {rnd.label}: {error}")
 
     def _dead(self, members: Sequence[int]) -> list[int]:
         live = self._comm._liveness

@@ -37,6 +37,7 @@ from ..schedule.waves import plan_waves
 from .handle import Handle
 
 _ERROR_CHECK_S = 0.25  # how often NCCL's asynchronous error state is read
+_DEATH_GRACE_S = 0.5  # an NCCL error: how long to look for a dead member behind it
 _log = logging.getLogger("wagma_comm.gpu")
 
 
@@ -143,6 +144,8 @@ class GpuQueue:
                     work.schedule, work.waves, work.data, work.dtype, group, work.deadline)
             except TimeoutError as exc:
                 raise self._timeout_error(work, str(exc)) from exc
+            except TransportError as exc:
+                raise self._attribute(work, exc) from exc
             issued = True
 
     def _setup(self, work: GpuWork) -> Any:
@@ -177,7 +180,7 @@ class GpuQueue:
             self._next_check = now + _ERROR_CHECK_S
             problem = self.transport.async_error()
             if problem is not None:
-                raise TransportError(problem)
+                raise self._attribute(oldest, TransportError(problem))
             if self._dead_peers is not None:
                 dead = self._dead_peers(oldest.schedule.ranks)
                 if dead:
@@ -201,6 +204,26 @@ class GpuQueue:
                                       "or issuing; NCCL communicators aborted"
                                       + dead_elsewhere(dead_peers, members, self._world))
         return check
+
+    def _attribute(self, work: GpuWork, error: TransportError) -> WagmaError:
+        """An NCCL error during ``work``: RankFailedError if a member's process
+        is gone (NCCL may see its closed socket before the process is reaped,
+        so it is asked again for up to _DEATH_GRACE_S), else the error with
+        the collective and round named."""
+        members = work.schedule.ranks
+        if self._dead_peers is not None:
+            limit = time.monotonic() + _DEATH_GRACE_S
+            while True:
+                dead = self._dead_peers(members)
+                if dead:
+                    return RankFailedError(
+                        work.collective, work.seq, dead,
+                        f"a member's process died (NCCL: {error}); NCCL communicators "
+                        "aborted" + dead_elsewhere(self._dead_peers, members, self._world))
+                if time.monotonic() > limit:
+                    break
+                time.sleep(0.02)
+        return TransportError(f"{work.collective} (round {work.seq}): {error}")
 
     def _timeout_error(self, work: GpuWork, what: str) -> CollectiveTimeoutError:
         blamed, why = timeout_blame(self._dead_peers, work.schedule.ranks, work.schedule.rank,
