@@ -61,7 +61,7 @@ for what in "${@:-tests}"; do
         for coll in allreduce group_allreduce wait_avoiding; do
           env $extra timeout 200 "$MPIEXEC" -n $n python3 -m wagma_comm.cli bench $coll --device cuda \
             -b 8 -e 128M -f 64 -d bfloat16 -c 1 --vs nccl --json "$OUT/gpu-bench-$coll-$n.json" \
-            2>&1 | tee "$OUT/gpu-bench-$coll-$n.txt" | grep -v "^#" | tail -8
+            2>&1 | tee -a "$OUT/gpu-bench.txt" | grep -v "^#" | tail -8
         done
       done ;;
     sass)
