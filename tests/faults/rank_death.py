@@ -156,6 +156,28 @@ def main() -> None:
         report["device_free"] = True
         with open(os.path.join(OUT, f"rank{me}.json"), "w") as f:
             json.dump(report, f)
+    elif CASE == "gpu_timeout":
+        # The victim stays alive but never joins the NCCL collective: the
+        # survivors' deadline must fire, abort NCCL (their kernels return)
+        # and name the ranks NCCL could not vouch for; then every rank exits
+        # normally.
+        import cupy
+
+        cupy.cuda.Device(0).use()
+        comm.allreduce(cupy.ones(4, dtype=cupy.float32))  # NCCL is up (round 1)
+        if victim:
+            time.sleep(1.5 * TIMEOUT)
+            return
+        record(comm, lambda: comm.allreduce(cupy.ones(1 << 20, dtype=cupy.float32)))
+        probe = cupy.arange(1 << 20, dtype=cupy.float32)
+        cupy.cuda.Device(0).synchronize()
+        assert float(probe.sum()) == (1 << 20) * ((1 << 20) - 1) / 2
+        with open(os.path.join(OUT, f"rank{me}.json")) as f:
+            report = json.load(f)
+        report["device_free"] = True
+        with open(os.path.join(OUT, f"rank{me}.json"), "w") as f:
+            json.dump(report, f)
+        return
     elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
         if victim:
             die_soon(0.01)

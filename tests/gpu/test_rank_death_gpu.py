@@ -50,3 +50,27 @@ def test_a_rank_killed_during_nccl_work_is_named_and_frees_the_gpu(case: str,
         assert report["elapsed"] < 2 * TIMEOUT_S, report
         assert report.get("device_free") is True, report
         assert outcome["status"] == host.EXIT_CODE, (r, outcome)
+
+
+@pytest.mark.skipif(not host.MPIEXEC.exists(), reason="mpiexec not installed")
+def test_a_rank_absent_from_nccl_work_times_out_and_frees_the_gpu(tmp_path: Path) -> None:
+    """The victim lives but never joins: every other rank's GPU collective
+    fails at its deadline with CollectiveTimeoutError naming the collective,
+    its round and the members NCCL could not vouch for (the victim among
+    them), the GPU is free, and the job ends normally."""
+    elapsed, stderr, outcomes = host.run_case("gpu_timeout", tmp_path, RANKS, TIMEOUT_S,
+                                              NCCL_ENV)
+    print(f"{elapsed:.1f}s", json.dumps(outcomes, indent=1), stderr[-3000:])
+    victim = host.VICTIM
+    # The victim outlives the others: its exit may find them gone (code 3).
+    assert outcomes[victim]["status"] in (0, host.EXIT_CODE), outcomes[victim]
+    for r, outcome in outcomes.items():
+        if r == victim:
+            continue
+        report = outcome["report"]
+        assert report is not None and outcome["status"] == 0, (r, outcome)
+        assert report["error"] == "CollectiveTimeoutError", report
+        assert report["collective"] == "allreduce" and report["round"] == 2, report
+        assert victim in report["ranks"] and r not in report["ranks"], report
+        assert TIMEOUT_S * 0.9 < report["elapsed"] < 2 * TIMEOUT_S, report
+        assert report.get("device_free") is True, report

@@ -8,7 +8,6 @@ import json
 import os
 from typing import Any, Iterator
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
