@@ -139,7 +139,13 @@ class DeviceMemory:
             return arr.get(stream=self.stream)
 
     def settle(self) -> None:
-        wait_stream(self.stream, time.monotonic() + self._timeout, "partial collective")
+        """Wait for the local stream (it never waits for a peer: bounded by
+        local work), at most the collective's timeout (then TransportError)."""
+        try:
+            wait_stream(self.stream, time.monotonic() + self._timeout,
+                        "the partial collective's copies and kernels")
+        except TimeoutError as exc:
+            raise TransportError(str(exc)) from exc
 
 
 def distinct_groups(partitions: Sequence[Sequence[tuple[int, ...]]]) -> list[tuple[int, ...]]:
