@@ -8,10 +8,10 @@ falls back to wagma_comm's own DLPack intake for what NumPy cannot view
 ``params[3]``. Framework objects that require grad are detached first.
 
 Device tensors (CUDA, from any framework) are staged: PyTorch consumes them
-through ``torch.from_dlpack`` and copies them to and from the host bucket,
-because the persistent partial collectives take host buffers only
-(docs/gpu.md). (Written for CUDA but not run on a GPU yet; on the CPU the same copies
-are tested.)
+through ``torch.from_dlpack`` and copies them to and from the host bucket
+(the partial collectives take GPU buffers too, docs/gpu.md, but device
+buckets are not built yet). (Written for CUDA but not run on a GPU yet; on
+the CPU the same copies are tested.)
 
 The bucket owns its buffers; packing copies in, unpacking copies out. Copies
 (rather than re-pointing the tensors into the bucket) are deliberate: a

@@ -21,8 +21,8 @@ last gradient (one flat message per dtype cannot leave earlier).
 ``overlap=False`` starts everything in ``step()`` instead.
 
 Parameters travel as one flat bucket per dtype, staged through host memory
-(pinned for CUDA tensors) because the persistent partial collectives take
-host buffers only (docs/gpu.md).
+(pinned for CUDA tensors); the persistent partial collectives take GPU
+buffers too (docs/gpu.md), but buckets on the device are not built yet.
 """
 
 from __future__ import annotations
