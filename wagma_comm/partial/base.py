@@ -138,11 +138,17 @@ def check_step_buffer(kind: str, count: int, dtype: Any, buf: Any) -> tuple[np.n
     """``buf`` as a host array (and its owner) if it has the element count
     and dtype the collective was created with; InvalidArgumentError if not."""
     buffer = as_buffer(buf, "buf")
+    check_step_shape(kind, count, dtype, buffer)
+    return buffer.host_array(), buffer.owner
+
+
+def check_step_shape(kind: str, count: int, dtype: Any, buffer: Any) -> None:
+    """InvalidArgumentError unless ``buffer`` (buffers.Buffer) has the element
+    count and dtype the collective was created with."""
     if buffer.count != count or buffer.dtype is not dtype:
         raise InvalidArgumentError(
             "buf", f"{kind} was created for {count} x {dtype.name}, "
             f"got {buffer.count} x {buffer.dtype.name}")
-    return buffer.host_array(), buffer.owner
 
 
 class _Call:

@@ -43,12 +43,11 @@ from ..errors import (
     WagmaError,
 )
 from ..runtime.gpu import timeout_blame
-from ..transport.nccl import NCCL_IN_PROGRESS, call_settled, unavailable_reason
-from .base import agree, check_first_round, check_sync_every
+from ..transport.nccl import NCCL_IN_PROGRESS, UNIQUE_ID_BYTES, call_settled, unavailable_reason
+from .base import agree, check_first_round, check_step_shape, check_sync_every
 from .eager import MajorityAllreduce, SoloAllreduce
 from .wagma import WaitAvoidingGroupAllreduce, check_options
 
-_UNIQUE_ID_BYTES = 128
 _NCCL_SUM = 0
 _HEALTH_CHECK_S = 0.25  # how often NCCL's async errors and the members' liveness are read
 _POLL_SLEEP_S = 20e-6
@@ -180,12 +179,13 @@ class DeviceRounds:
     """The NCCL side of one partial collective: its round stream, and one
     communicator per group this rank is in (made in :meth:`connect`)."""
 
-    def __init__(self, device_id: int, dtype: DType) -> None:
+    def __init__(self, device_id: int) -> None:
         import cupy
         from nccl.bindings import nccl as nb
 
         self._cp, self._nb = cupy, nb
-        self.device_id, self.dtype = device_id, dtype
+        self.device_id = device_id
+        self.dtype: DType | None = None  # the rounds' dtype, set by connect
         self._device = cupy.cuda.Device(device_id)
         with self._device:
             self.local = cupy.cuda.Stream(non_blocking=True)
@@ -194,16 +194,17 @@ class DeviceRounds:
         self.connect_seconds = 0.0
         self.broken: str | None = None
 
-    def connect(self, comm: Any, groups: list[tuple[int, ...]], count: int,
+    def connect(self, comm: Any, groups: list[tuple[int, ...]], count: int, dtype: DType,
                 timeout: float) -> None:
         """Collective over every rank: make and connect the communicators of
         ``groups`` (distinct_groups), each with a unique id rank 0 makes.
         ``count``: the data elements of a round (each group adds its flags)."""
         import nccl.core as nc
 
+        self.dtype = dtype
         started = time.monotonic()
         deadline = started + timeout
-        ids = np.zeros((max(1, len(groups)), _UNIQUE_ID_BYTES), dtype=np.uint8)
+        ids = np.zeros((max(1, len(groups)), UNIQUE_ID_BYTES), dtype=np.uint8)
         if comm.rank == 0:
             for k in range(len(groups)):
                 ids[k] = np.frombuffer(bytes(nc.get_unique_id()), dtype=np.uint8)
@@ -224,7 +225,7 @@ class DeviceRounds:
             for group, nccl_comm in self._comms.items():
                 n = count + len(group)
                 with self.rounds:
-                    buf = self._cp.zeros(n, self.dtype.storage)
+                    buf = self._cp.zeros(n, dtype.storage)
                 scratch.append(buf)
                 self._allreduce(buf.data.ptr, n, nccl_comm, deadline)
             wait_stream(self.rounds, deadline, "connecting the partial collective's "
@@ -239,7 +240,9 @@ class DeviceRounds:
             raise TransportError(f"NCCL {what}: {exc}") from exc
 
     def _allreduce(self, ptr: int, count: int, nccl_comm: Any, deadline: float) -> None:
-        self._settled(lambda: self._nb.all_reduce(ptr, ptr, count, self.dtype.nccl, _NCCL_SUM,
+        assert self.dtype is not None, "connect() first"
+        nccl_type = self.dtype.nccl
+        self._settled(lambda: self._nb.all_reduce(ptr, ptr, count, nccl_type, _NCCL_SUM,
                                                   nccl_comm._comm, self.rounds.ptr),
                       nccl_comm, deadline, "ncclAllReduce (partial collective round)")
 
@@ -310,8 +313,7 @@ class DevicePartial:
         device = cuda_device(buf)
         if device is None:
             raise UnsupportedError("buf", "the device path takes CUDA buffers only")
-        buffer = as_buffer(buf, "buf", gpu_available=True)  # its dtype, for the streams' owner
-        self._dev = DeviceRounds(device, buffer.dtype)
+        self._dev = DeviceRounds(device)
         self._in_flight: DeviceRound | None = None
         self._next_check = 0.0
         return as_buffer(buf, "buf", gpu_available=True, stream=self._dev.local.ptr)
@@ -321,7 +323,8 @@ class DevicePartial:
 
     def connect(self, partitions: Sequence[Sequence[tuple[int, ...]]]) -> None:
         """Collective: the NCCL communicators of every group of ``partitions``."""
-        self._dev.connect(self._comm, distinct_groups(partitions), self.count, self.timeout)
+        self._dev.connect(self._comm, distinct_groups(partitions), self.count, self.dtype,
+                          self.timeout)
 
     # -- data where it lives ------------------------------------------------------
     def _template_data(self) -> tuple[Any, Any]:
@@ -334,10 +337,7 @@ class DevicePartial:
             raise InvalidArgumentError(
                 "buf", f"{self.kind} was created on cuda:{self._dev.device_id}, got a "
                 f"buffer on {buffer.device}:{buffer.device_id}")
-        if buffer.count != self.count or buffer.dtype is not self.dtype:
-            raise InvalidArgumentError(
-                "buf", f"{self.kind} was created for {self.count} x {self.dtype.name}, "
-                f"got {buffer.count} x {buffer.dtype.name}")
+        check_step_shape(self.kind, self.count, self.dtype, buffer)
         return self._mem.view(buffer.ptr, self.count, buffer.owner), buffer.owner
 
     # -- rounds on the GPU ----------------------------------------------------------

@@ -79,6 +79,7 @@ class GpuQueue:
         self._make_transport = make_transport
         self._dead_peers = dead_peers
         self._world = tuple(world)
+        self._watched: GpuWork | None = None  # the collective being issued
         self._lock = threading.Lock()
         self._queue: deque[GpuWork] = deque()
         self._in_flight: deque[GpuWork] = deque()
@@ -134,7 +135,7 @@ class GpuQueue:
                 self.transport = self._setup(work)
                 _log.debug("NCCL %s ready in %.3fs", self.transport.nccl_version,
                            self.transport.init_seconds)
-            self.transport.watch = self._watch(work)
+            self._watched = work
             group = None
             try:
                 if work.partition is not None:
@@ -150,8 +151,9 @@ class GpuQueue:
 
     def _setup(self, work: GpuWork) -> Any:
         try:
+            self._watched = work
             return self._make_transport(self.device_id, self.stream, work.deadline,
-                                        self._watch(work))
+                                        None if self._dead_peers is None else self._watch)
         except TimeoutError as exc:
             raise self._timeout_error(work, f"NCCL initialisation: {exc}") from exc
         except ImportError as exc:
@@ -188,22 +190,20 @@ class GpuQueue:
                                           "a member's process died; NCCL communicators "
                                           "aborted")
 
-    def _watch(self, work: GpuWork) -> Callable[[], None] | None:
-        """What NCCL's settle loops call while ``work`` sets up or issues: a
-        dead member is named at once (RankFailedError), not at the deadline."""
-        if self._dead_peers is None:
-            return None
-        dead_peers = self._dead_peers
-
-        def check() -> None:
-            members = work.schedule.ranks
-            dead = dead_peers(members)
-            if dead:
-                raise RankFailedError(work.collective, work.seq, dead,
-                                      "a member's process died while NCCL was setting up "
-                                      "or issuing; NCCL communicators aborted"
-                                      + dead_elsewhere(dead_peers, members, self._world))
-        return check
+    def _watch(self) -> None:
+        """What NCCL's settle loops call while the collective being issued
+        (``_watched``) sets up or issues: a dead member is named at once
+        (RankFailedError), not at the deadline."""
+        work, dead_peers = self._watched, self._dead_peers
+        if work is None or dead_peers is None:
+            return
+        members = work.schedule.ranks
+        dead = dead_peers(members)
+        if dead:
+            raise RankFailedError(work.collective, work.seq, dead,
+                                  "a member's process died while NCCL was setting up "
+                                  "or issuing; NCCL communicators aborted"
+                                  + dead_elsewhere(dead_peers, members, self._world))
 
     def _attribute(self, work: GpuWork, error: TransportError) -> WagmaError:
         """An NCCL error during ``work``: RankFailedError if a member's process

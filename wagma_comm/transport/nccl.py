@@ -35,7 +35,7 @@ NCCL_IN_PROGRESS = 7  # ncclInProgress
 _NCCL_UINT8 = 1
 _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
 _SETTLE_SLEEP_S = 50e-6
-_UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 _log = logging.getLogger("wagma_comm.gpu")
 
 
@@ -149,7 +149,7 @@ class NCCLTransport:
         self._exchange = exchange_bytes
         self.group_method = "split"
         mine = bytes(nc.get_unique_id()) if rank == 0 else None
-        uid = exchange_bytes(mine, _UNIQUE_ID_BYTES, deadline)
+        uid = exchange_bytes(mine, UNIQUE_ID_BYTES, deadline)
         _log.debug("unique id exchanged")
         self._config = nc.NCCLConfig(blocking=False)
         # Group communicators: blocking, sharing the world's resources. Split
@@ -216,10 +216,10 @@ class NCCLTransport:
         nc = self._nc
         mine = (b"".join(bytes(nc.get_unique_id()) for _ in key) if self.rank == 0
                 else None)
-        ids = self._exchange(mine, _UNIQUE_ID_BYTES * len(key), deadline)
+        ids = self._exchange(mine, UNIQUE_ID_BYTES * len(key), deadline)
         index = next(i for i, g in enumerate(key) if self.rank in g)
         group = key[index]
-        uid = nc.UniqueId.from_bytes(ids[index * _UNIQUE_ID_BYTES:(index + 1) * _UNIQUE_ID_BYTES])
+        uid = nc.UniqueId.from_bytes(ids[index * UNIQUE_ID_BYTES:(index + 1) * UNIQUE_ID_BYTES])
         with self._device:
             return self._call_settled(
                 lambda: nc.Communicator.init(len(group), group.index(self.rank), uid,
