@@ -336,6 +336,60 @@ def test_resume_continues_the_uninterrupted_trajectory(comm: Communicator, rank_
         assert np.array_equal(a, b), f"{method}: iteration {t} differs after resume"
 
 
+# -- device buckets ----------------------------------------------------------------------
+# buckets="device" hands the flat torch tensors to the collectives. On the CPU
+# that is the code a GPU runs (methods on torch tensors, the partial
+# collectives' intake through DLPack) without NCCL; tests/gpu/mpi/test_gpu_train.py
+# runs it on CUDA tensors.
+
+
+@pytest.mark.parametrize("method,knobs", RESUMABLE[:2] + RESUMABLE[-1:],
+                         ids=["allreduce", "local_sgd", "wagma"])
+def test_device_buckets_follow_the_host_buckets_trajectory(comm: Communicator, method: str,
+                                                          knobs: dict[str, Any]) -> None:
+    runs = []
+    for buckets in ("host", "device"):
+        model, opt = _fresh(comm, method, dict(knobs, buckets=buckets), 5)
+        assert opt.buckets == buckets
+        assert all(isinstance(b, torch.Tensor) == (buckets == "device")
+                   for b in opt._weights.buffers())
+        runs.append(_trajectory(comm, method, knobs, range(8), model, opt))
+        opt.finalize()
+        runs[-1].append(_flat(model))
+        opt.close()
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(a, b), f"{method}: iteration {t} differs with device buckets"
+
+
+@pytest.mark.parametrize("method", ["solo", "majority", "wagma", "ad_psgd"])
+def test_partial_methods_converge_on_device_buckets(comm: Communicator, method: str) -> None:
+    steps = 160 if method == "ad_psgd" else 80  # as the host-bucket test
+    initial, final, model = _regression(comm, method, steps, sync_every=5, buckets="device")
+    assert final < 0.01 * initial, f"{method}: loss {initial:.3f} -> {final:.5f}"
+    assert len(set(WORLD.allgather(_digest([_flat(model)])))) == 1
+
+
+def test_bucket_choice_is_checked_and_agreed(comm: Communicator) -> None:
+    def make(method: str, buckets: str) -> DistributedOptimizer:
+        model = torch.nn.Linear(2, 1)
+        return DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                    method, model=model, buckets=buckets)
+
+    with pytest.raises(InvalidArgumentError, match="buckets"):
+        make("allreduce", "gpu")
+    with pytest.raises(InvalidArgumentError, match="dpsgd exchanges models through host"):
+        make("dpsgd", "device")
+    opt = make("wagma", "auto")  # CPU parameters: host buckets, the NumPy fast path
+    assert opt.buckets == "host" and opt.statistics()["buckets"] == "host"
+    opt.close()
+    if SIZE > 1:  # rank 0 asks for host buckets, the others for device ones
+        with pytest.raises(InvalidArgumentError, match="ranks passed different values"):
+            make("allreduce", "host" if RANK == 0 else "device")
+    opt = make("allreduce", "device")  # the communicator is still in step
+    assert opt.buckets == "device"
+    opt.close()
+
+
 def test_checkpoint_refuses_what_cannot_resume_exactly(comm: Communicator,
                                                        rank_dir: str) -> None:
     model, opt = _fresh(comm, "wagma", {"sync_every": 3}, 0)

@@ -131,6 +131,38 @@ def test_torch_bucket_zeros_missing_grads_and_writes_leaf_params() -> None:
             tb.pack([changed, params[1]])
 
 
+def test_device_bucket_hands_the_flat_tensors_themselves_to_the_collectives() -> None:
+    """A device bucket's buffers are its flat torch tensors (here on the CPU,
+    the same code as on a GPU): writes to them are what unpack reads."""
+    params = [torch.randn(3, 2), torch.randn(4, dtype=torch.bfloat16), torch.randn(5)]
+    specs = layout([tuple(p.shape) for p in params], ["float32", "bfloat16", "float32"],
+                   [None] * 3)
+    tb = TorchBucket(specs, torch.device("cpu"), on_device=True)
+    tb.pack(params)
+    bufs = tb.buffers()
+    assert all(isinstance(b, torch.Tensor) for b in bufs)
+    assert [b.dtype for b in bufs] == [torch.float32, torch.bfloat16]
+    assert torch.equal(bufs[0][6:], params[2])
+    bufs[1].fill_(-2)
+    out = [torch.zeros_like(p) for p in params]
+    tb.unpack(out)
+    assert torch.equal(out[0], params[0]) and bool((out[1] == -2).all())
+
+
+def test_method_buffer_helpers_keep_the_memory_kind() -> None:
+    from wagma_comm.train.methods.base import any_bit_set, clone, zeros_like
+
+    for buf in (np.arange(4, dtype=np.float32), torch.arange(4, dtype=torch.bfloat16)):
+        c = clone(buf)
+        assert type(c) is type(buf) and c is not buf and (c == buf).all()
+        c[0] = 7
+        assert buf[0] == 0  # a copy, not a view
+        z = zeros_like(buf)
+        assert type(z) is type(buf) and z.dtype == buf.dtype and not any_bit_set(z)
+        z[2] = -0.0  # the sign bit is an update some rank made
+        assert any_bit_set(z)
+
+
 def test_signature_depends_on_shape_and_dtype_only() -> None:
     def spec(shape: tuple[int, ...], dtype: str, name: str | None) -> TensorSpec:
         return TensorSpec(0, name, shape, dtype, 0, int(np.prod(shape)))

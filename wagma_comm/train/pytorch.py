@@ -20,9 +20,10 @@ and backward passes. Gradient averaging starts at the hook that completes the
 last gradient (one flat message per dtype cannot leave earlier).
 ``overlap=False`` starts everything in ``step()`` instead.
 
-Parameters travel as one flat bucket per dtype, staged through host memory
-(pinned for CUDA tensors); the persistent partial collectives take GPU
-buffers too (docs/gpu.md), but buckets on the device are not built yet.
+Parameters travel as one flat bucket per dtype. For CUDA parameters the
+buckets stay on the GPU where the method allows (``buckets="auto"``): the
+collectives, partial ones included, then run on them through NCCL and our
+kernels; otherwise they are staged through pinned host memory.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from .methods import MODEL, AveragingInfo, Method, make_method
 from .specs import TensorSpec, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
 
-__all__ = ["DistributedOptimizer", "TorchBucket", "torch_dtype_name"]
+__all__ = ["BUCKET_MEMORY", "DistributedOptimizer", "TorchBucket", "device_buckets",
+           "torch_dtype_name"]
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
                  torch.float32: "float32", torch.float64: "float64",
@@ -65,31 +67,43 @@ def _specs(tensors: Sequence[torch.Tensor], names: Sequence[str | None],
 
 
 class TorchBucket:
-    """Flat buckets for torch tensors on one device: a device buffer per dtype
-    and, for CUDA, a pinned host mirror the collectives run on."""
+    """Flat buckets for torch tensors on one device, one tensor per dtype.
 
-    def __init__(self, specs: Sequence[TensorSpec], device: torch.device) -> None:
+    ``on_device=False`` (host buckets): the collectives run on NumPy views of
+    host memory; for CUDA tensors that is a pinned host mirror, copied across
+    at every pack and unpack. ``on_device=True`` (device buckets): the
+    collectives take the flat tensors themselves (CUDA: NCCL and our kernels,
+    no host copy; the stream contract of docs/gpu.md orders them after the
+    packing copies, so nothing here synchronizes)."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device,
+                 on_device: bool = False) -> None:
         self.specs = tuple(specs)
         self.device = device
-        staged = device.type != "cpu"
-        self._host: dict[str, torch.Tensor] = {}
-        self._dev: dict[str, torch.Tensor] = {}
+        self.on_device = on_device
+        self._staged = device.type != "cpu" and not on_device
+        self._flat: dict[str, torch.Tensor] = {}
+        self._host: dict[str, torch.Tensor] = {}  # the pinned mirror, when staged
         self._np: dict[str, np.ndarray] = {}
         for dt, n in bucket_sizes(self.specs).items():
-            host = torch.zeros(n, dtype=_BY_NAME[dt], pin_memory=staged)
-            self._host[dt] = host
-            self._dev[dt] = torch.zeros(n, dtype=_BY_NAME[dt], device=device) \
-                if staged else host
-            self._np[dt] = numpy_of(host)
-            assert dtypes.from_numpy(self._np[dt].dtype) is dtypes.BY_NAME[dt]
+            flat = torch.zeros(n, dtype=_BY_NAME[dt], device=device)
+            self._flat[dt] = flat
+            if self._staged:
+                self._host[dt] = torch.zeros(n, dtype=_BY_NAME[dt], pin_memory=True)
+            if not on_device:
+                self._np[dt] = numpy_of(self._host.get(dt, flat))
+                assert dtypes.from_numpy(self._np[dt].dtype) is dtypes.BY_NAME[dt]
         # Each tensor's slot, shaped like it: made once, because building the
         # views every call cost more than the copies (about 30 us per pack
         # of a 4-tensor model against 8 us).
-        self._views = [self._dev[spec.dtype].narrow(0, spec.offset, spec.count).view(spec.shape)
+        self._views = [self._flat[spec.dtype].narrow(0, spec.offset, spec.count).view(spec.shape)
                        for spec in self.specs]
 
-    def buffers(self) -> list[np.ndarray]:
-        """Host buffers for the collectives, one per dtype, in layout order."""
+    def buffers(self) -> list[Any]:
+        """The collectives' buffers, one per dtype, in layout order: NumPy
+        views of host memory, or the flat tensors of a device bucket."""
+        if self.on_device:
+            return list(self._flat.values())
         return list(self._np.values())
 
     @torch.no_grad()
@@ -104,19 +118,17 @@ class TorchBucket:
                     f"saw {spec.describe()}")
             else:
                 view.copy_(t)
-        if self.device.type != "cpu":
-            for dt, host in self._host.items():
-                host.copy_(self._dev[dt])
+        for dt, host in self._host.items():
+            host.copy_(self._flat[dt])
 
     def _from_host(self) -> None:
         """The collectives wrote the host mirror: copy it to the device buffers."""
-        if self.device.type != "cpu":
-            for dt, host in self._host.items():
-                self._dev[dt].copy_(host)
+        for dt, host in self._host.items():
+            self._flat[dt].copy_(host)
 
     @torch.no_grad()
     def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the (host) result into ``tensors`` in place."""
+        """Copy the result into ``tensors`` in place."""
         self._from_host()
         for view, t in zip(self._views, tensors):
             t.copy_(view)
@@ -129,6 +141,39 @@ class TorchBucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(view)
+
+
+BUCKET_MEMORY = ("auto", "device", "host")
+
+
+def device_buckets(comm: Any, choice: str, device: torch.device, method: Method) -> bool:
+    """Collective: whether the buckets live on the parameters' device (see
+    :class:`DistributedOptimizer`, ``buckets``). Every rank must take the same
+    answer -- a GPU collective on some ranks and a host one on others would
+    only end at the deadline -- so it is agreed in one small allreduce:
+    ``"auto"`` takes device buckets only where every rank can, and ranks
+    that asked for different things raise on every rank."""
+    if choice not in BUCKET_MEMORY:
+        raise InvalidArgumentError("buckets", f"expected one of {list(BUCKET_MEMORY)}, "
+                                   f"got {choice!r}")
+    if choice == "device" and not method.device_buffers:
+        raise InvalidArgumentError("buckets", f"{method.name} exchanges models through host "
+                                   "memory (mpi4py); use buckets='host' or 'auto'")
+    can = choice == "device" or (choice == "auto" and method.device_buffers
+                                 and device.type == "cuda" and _nccl_usable())
+    code = BUCKET_MEMORY.index(choice)
+    vote = np.array([code, -code, -int(can)], dtype=np.int64)
+    comm.allreduce(vote, "max")
+    if vote[0] != -vote[1]:
+        raise InvalidArgumentError("buckets", "ranks passed different values (this rank "
+                                   f"{choice!r}); pass the same on every rank")
+    return int(vote[2]) == -1  # max(-can) == -min(can): every rank can
+
+
+def _nccl_usable() -> bool:
+    from ..transport.nccl import unavailable_reason
+
+    return unavailable_reason() is None
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -151,7 +196,13 @@ class DistributedOptimizer:
     buffers) so all replicas start equal, and sets up the method.
 
     ``model`` (optional) gives parameter names for errors and its buffers
-    (e.g. BatchNorm statistics) for the initial broadcast. ``knobs`` go to
+    (e.g. BatchNorm statistics) for the initial broadcast. ``buckets``: where
+    the flat buckets the collectives run on live: ``"device"`` (the
+    parameters' own device: no host copies; every method but ``dpsgd`` and
+    ``sgp``, whose exchange is host-only), ``"host"`` (staged through pinned
+    host memory for CUDA parameters) or ``"auto"`` (device buckets for CUDA
+    parameters when the method and every rank's NCCL allow, host otherwise;
+    CPU parameters use host buckets, whose NumPy views take the fastest path). ``knobs`` go to
     :func:`~wagma_comm.train.make_method`: ``group_size``, ``sync_every``,
     ``activation``, ``normalization``, ``round_start``, ``seed``, ``mpi_comm``.
     Use ``opt.optimizer`` for learning-rate schedulers.
@@ -159,7 +210,8 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Any,
                  method: str | Method = "wagma", *, model: torch.nn.Module | None = None,
-                 overlap: bool = True, broadcast: bool = True, **knobs: Any) -> None:
+                 overlap: bool = True, broadcast: bool = True, buckets: str = "auto",
+                 **knobs: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError("optimizer", f"expected a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
@@ -182,8 +234,9 @@ class DistributedOptimizer:
                     "optimizer", f"{spec.label()} is on {p.device} but parameter 0 is on "
                     f"{device}; all parameters must share one device")
         check_consistent(comm, self.specs)
-        self._weights = TorchBucket(self.specs, device)
-        self._grads = TorchBucket(self.specs, device)
+        self._on_device = device_buckets(comm, buckets, device, self.method)
+        self._weights = TorchBucket(self.specs, device, self._on_device)
+        self._grads = TorchBucket(self.specs, device, self._on_device)
         if broadcast:
             self._broadcast(model)
         self.iteration = 0
@@ -210,7 +263,7 @@ class DistributedOptimizer:
             names = {id(b): n for n, b in model.named_buffers()}  # type: ignore[union-attr]
             specs = _specs(buffers, [names.get(id(b)) for b in buffers], "buffers")
             check_consistent(self.comm, specs)
-            bucket = TorchBucket(specs, buffers[0].device)
+            bucket = TorchBucket(specs, buffers[0].device, self._on_device)
             bucket.pack(buffers)
             for b in bucket.buffers():
                 self.comm.broadcast(b, root=0)
@@ -382,9 +435,15 @@ class DistributedOptimizer:
         self._setup()
 
     # -- telemetry & delegation ------------------------------------------------------------
+    @property
+    def buckets(self) -> str:
+        """Where the buckets live, as agreed at set-up: ``"device"`` or ``"host"``."""
+        return "device" if self._on_device else "host"
+
     def statistics(self) -> dict[str, Any]:
         out = self.stats.as_dict()
         out["method"] = self.method.describe()
+        out["buckets"] = self.buckets
         out["collective"] = self.method.statistics()
         return out
 

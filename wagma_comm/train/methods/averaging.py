@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
 from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS, check_grace
 from ...runtime.activation import is_sync_round
-from .base import MODEL, AveragingInfo, Method, check_int
+from .base import MODEL, AveragingInfo, BucketBuffer, Method, check_int, clone
 
 ROUND_STARTS = ("gradient", "iteration", "publish")
 # A sync period no run reaches: a wait-avoiding collective with no sync rounds.
@@ -49,7 +47,7 @@ class LocalSGD(Method):
     def communicates(self, t: int) -> bool:
         return (t + 1) % self.period == 0
 
-    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+    def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         self._handles = [self.comm.allreduce(b, "avg", async_op=True) for b in buffers]
 
     def _finish(self, t: int) -> AveragingInfo:
@@ -112,9 +110,9 @@ class WagmaSGD(Method):
         self.grace = grace
         self._colls: list[Any] = []
         self._handles: list[Any] = []
-        self._buffers: list[np.ndarray] = []  # published, not yet stepped
+        self._buffers: list[BucketBuffer] = []  # published, not yet stepped
 
-    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+    def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         if self.group_size is None:
             self.group_size = default_group_size(comm.size)
         groups_mod.check_group_size(comm.size, self.group_size)
@@ -125,11 +123,11 @@ class WagmaSGD(Method):
         # The creation buffer is what a rank contributes before it has published
         # anything: the current (identical) model, copied.
         self._colls = [comm.wait_avoiding_group_allreduce(
-            b.copy(), self.group_size, self.sync_every, activation=self.activation,
+            clone(b), self.group_size, self.sync_every, activation=self.activation,
             normalization=self.normalization, grace=self.grace,
             first_round=self.first_iteration) for b in buffers]
 
-    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+    def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         # A sync round blocks for everyone anyway: arriving early costs nothing.
         if self.round_start != "iteration" and not is_sync_round(t, self.sync_every):
             ready = self.round_start == "publish"
@@ -169,7 +167,7 @@ class WagmaSGD(Method):
         promise to step) without touching the caller's weights."""
         if self._buffers:
             for c, b in zip(self._colls, self._buffers):
-                c.step(b.copy())
+                c.step(clone(b))
             self._buffers = []
 
     def checkpoint_error(self, t: int) -> str | None:
@@ -201,7 +199,7 @@ class ADPSGD(WagmaSGD):
         super().__init__(2, NO_SYNC, activation="group", normalization="mean",
                          grace=0.0)
 
-    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+    def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         self.group_size = min(2, comm.size)
         super()._setup(comm, buffers)
 

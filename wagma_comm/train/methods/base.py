@@ -2,10 +2,13 @@
 
 A method averages either the *model* (weights, before the optimizer step:
 WAGMA-SGD's order, also D-PSGD's) or the *gradients* (before the optimizer step)
-of one iteration. It works on the flat host buffers of a bucket (one NumPy
-array per dtype, in the same order on every rank) and never sees a framework:
-the adapters pack, call :meth:`Method.start` as early as they can (so
-communication overlaps the rest of the backward pass), then
+of one iteration. It works on the flat buffers of a bucket (one per dtype, in
+the same order on every rank): NumPy arrays for host buckets, or, for the
+PyTorch adapter's device buckets, torch tensors the collectives take as they
+are (CUDA tensors go through NCCL and our kernels). It touches them only
+through the communicator and the three helpers below, so it never depends on
+a framework: the adapters pack, call :meth:`Method.start` as early as they can
+(so communication overlaps the rest of the backward pass), then
 :meth:`Method.finish` before the optimizer step, and unpack.
 """
 
@@ -22,6 +25,29 @@ from ...errors import InvalidArgumentError
 from ...partial.info import RoundInfo
 
 MODEL, GRADIENTS = "model", "gradients"
+
+BucketBuffer = Any
+"""One dtype's flat buffer: a NumPy array, or a torch tensor of a device bucket."""
+
+
+def clone(buf: BucketBuffer) -> BucketBuffer:
+    """A private copy, in the same memory (host or device) as ``buf``."""
+    return buf.copy() if isinstance(buf, np.ndarray) else buf.clone()
+
+
+def zeros_like(buf: BucketBuffer) -> BucketBuffer:
+    """Zeros shaped and typed like ``buf``, in the same memory."""
+    return np.zeros_like(buf) if isinstance(buf, np.ndarray) else buf.new_zeros(buf.shape)
+
+
+def any_bit_set(buf: BucketBuffer) -> bool:
+    """Whether any byte of ``buf`` is non-zero (so -0.0 counts: it is an update
+    that some rank contributed, and every rank sees the same bytes)."""
+    if isinstance(buf, np.ndarray):
+        return bool(np.any(buf.view(np.uint8)))
+    import torch
+
+    return bool(buf.view(torch.uint8).any())
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,9 @@ class Method(ABC):
     name: ClassVar[str] = "method"
     averages: ClassVar[str] = MODEL
     deterministic: ClassVar[bool] = True  # same inputs -> same trajectory
+    # Whether the buffers may live on a GPU (device buckets): every collective
+    # the method calls takes CUDA buffers.
+    device_buffers: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.comm: Any = None
@@ -68,7 +97,8 @@ class Method(ABC):
         self._t: int | None = None
 
     # -- life cycle ---------------------------------------------------------------
-    def setup(self, comm: Any, buffers: Sequence[np.ndarray], first_iteration: int = 0) -> None:
+    def setup(self, comm: Any, buffers: Sequence[BucketBuffer],
+              first_iteration: int = 0) -> None:
         """Collective: bind to ``comm`` and the bucket layout; ``first_iteration``
         is the training iteration the next ``start`` belongs to (non-zero on
         resume). ``buffers`` hold the current model (model methods)."""
@@ -76,14 +106,14 @@ class Method(ABC):
         self.first_iteration = check_int("first_iteration", first_iteration, 0)
         self._setup(comm, list(buffers))
 
-    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+    def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         """Subclass hook: create persistent collectives."""
 
     def communicates(self, t: int) -> bool:
         """Whether iteration ``t`` communicates at all (local SGD: every H-th)."""
         return True
 
-    def start(self, t: int, buffers: Sequence[np.ndarray]) -> None:
+    def start(self, t: int, buffers: Sequence[BucketBuffer]) -> None:
         """Begin iteration ``t``'s averaging of ``buffers`` in place; returns
         without waiting where the method allows. Leave the buffers alone until
         :meth:`finish`."""
@@ -108,12 +138,12 @@ class Method(ABC):
         return self._t is not None
 
     @abstractmethod
-    def _start(self, t: int, buffers: list[np.ndarray]) -> None: ...
+    def _start(self, t: int, buffers: list[BucketBuffer]) -> None: ...
 
     @abstractmethod
     def _finish(self, t: int) -> AveragingInfo: ...
 
-    def finalize(self, buffers: Sequence[np.ndarray]) -> bool:
+    def finalize(self, buffers: Sequence[BucketBuffer]) -> bool:
         """Collective, at the end of training. Model methods: replace the
         buffers by the global mean of every rank's model (replicas then agree).
         Gradient methods: put what never reached a round into the buffers and

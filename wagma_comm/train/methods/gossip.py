@@ -37,6 +37,7 @@ def sgp_peers(rank: int, size: int, t: int) -> tuple[int, int] | None:
 
 class _Gossip(Method):
     averages = MODEL
+    device_buffers = False  # mpi4py point-to-point on host memory (neighbors.py)
 
     def __init__(self, mpi_comm: Any = None) -> None:
         super().__init__()

@@ -10,10 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 from ...errors import InvalidArgumentError
-from .base import GRADIENTS, AveragingInfo, Method, check_int
+from .base import (
+    GRADIENTS,
+    AveragingInfo,
+    BucketBuffer,
+    Method,
+    any_bit_set,
+    check_int,
+    zeros_like,
+)
 
 
 class AllreduceSGD(Method):
@@ -27,7 +33,7 @@ class AllreduceSGD(Method):
         super().__init__()
         self._handles: list[Any] = []
 
-    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+    def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         self._handles = [self.comm.allreduce(b, "avg", async_op=True) for b in buffers]
 
     def _finish(self, t: int) -> AveragingInfo:
@@ -56,7 +62,7 @@ class EagerSGD(Method):
         self._colls: list[Any] = []
         self._handles: list[Any] = []
 
-    def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
+    def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         if self.first_iteration % self.sync_every:
             raise InvalidArgumentError(
                 "first_iteration", f"{self.name} resumes only at a multiple of sync_every="
@@ -64,10 +70,10 @@ class EagerSGD(Method):
         majority = self.name == "majority"
         create = comm.majority_allreduce if majority else comm.solo_allreduce
         kw = {"seed": self.seed} if majority else {}
-        self._colls = [create(np.zeros_like(b), self.sync_every,
+        self._colls = [create(zeros_like(b), self.sync_every,
                               first_round=self.first_iteration, **kw) for b in buffers]
 
-    def _start(self, t: int, buffers: list[np.ndarray]) -> None:
+    def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
 
     def _finish(self, t: int) -> AveragingInfo:
@@ -83,7 +89,7 @@ class EagerSGD(Method):
         nonzero = False
         for c, b in zip(self._colls, buffers):
             c.flush(b)
-            nonzero |= bool(np.any(b.view(np.uint8)))  # every rank gets the same result
+            nonzero |= any_bit_set(b)  # every rank gets the same result
         return nonzero
 
     def close(self) -> None:
