@@ -84,6 +84,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plot", default="build/demo/accuracy.png", help="PNG to write")
     p.add_argument("--json", default=None, help="write all measurements as JSON")
     p.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where model, data and buckets live; cuda: each rank on its node's "
+                        "GPU (local rank modulo GPUs), buckets on the GPU (docs/gpu.md)")
 
 
 # ----------------------------------------------------------------------- data and model
@@ -97,9 +100,9 @@ class Data:
     y_test: Any
 
 
-def load_data() -> Data:
+def load_data(device: Any = "cpu") -> Data:
     """scikit-learn's digits, standardised, a fixed stratified 80/20 split (the
-    test set is the same for every method and seed)."""
+    test set is the same for every method and seed), on ``device``."""
     import torch
     from sklearn.datasets import load_digits
 
@@ -112,8 +115,8 @@ def load_data() -> Data:
     train = np.setdiff1d(np.arange(len(y)), test)
     mean, std = x[train].mean(0), x[train].std(0) + 1e-3
     x = (x - mean) / std
-    return Data(torch.from_numpy(x[train]), torch.from_numpy(y[train]),
-                torch.from_numpy(x[test]), torch.from_numpy(y[test]))
+    return Data(*(torch.from_numpy(a).to(device) for a in (x[train], y[train], x[test],
+                                                           y[test])))
 
 
 def make_shard(labels: np.ndarray, rank: int, size: int, seed: int, kind: str) -> np.ndarray:
@@ -137,15 +140,18 @@ def make_model(hidden: int) -> Any:
                                torch.nn.Linear(hidden, 10))
 
 
-def make_trainer(comm: Any, method: str, seed: int, o: argparse.Namespace) -> tuple[Any, Any]:
-    """Collective: the demo's model (seeded) and its wrapped SGD optimizer for
-    ``method``, from the demo's options (also used by bench/step_wait.py)."""
+def make_trainer(comm: Any, method: str, seed: int, o: argparse.Namespace,
+                 device: Any = "cpu") -> tuple[Any, Any]:
+    """Collective: the demo's model (seeded) on ``device`` and its wrapped SGD
+    optimizer for ``method``, from the demo's options (also used by
+    bench/step_wait.py and bench/gpu/train_step.py). CUDA parameters get
+    device buckets where the method allows (``buckets="auto"``)."""
     import torch
 
     from .train import DistributedOptimizer
 
     torch.manual_seed(seed)
-    model = make_model(o.hidden)
+    model = make_model(o.hidden).to(device)
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum), comm, method,
         model=model, group_size=o.group_size or None, sync_every=o.sync_every, seed=seed,
@@ -176,6 +182,7 @@ class Run:
     steps: list[int] = field(default_factory=list)  # iterations done at each snapshot
     fresh_share: float | None = None  # partial collectives: contributions on time
     describe: str = ""
+    buckets: str = ""  # where the collectives ran: "device" (GPU) or "host" buckets
 
     @property
     def iterations_per_s(self) -> float:
@@ -205,7 +212,8 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     import torch.nn.functional as F
 
     P, rank = comm.size, comm.rank
-    model, opt = make_trainer(comm, method, seed, o)
+    device = data.x_train.device
+    model, opt = make_trainer(comm, method, seed, o, device)
     shard = make_shard(data.y_train.numpy(), rank, P, seed, o.shards)
     per_epoch = max(1, len(shard) // o.batch)
     total = iterations if iterations is not None else o.epochs * per_epoch
@@ -219,7 +227,7 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
         k = t % per_epoch
         if k == 0:
             order = shard[rng.permutation(len(shard))]
-        idx = torch.from_numpy(order[k * o.batch:(k + 1) * o.batch])
+        idx = torch.from_numpy(order[k * o.batch:(k + 1) * o.batch]).to(device)
         opt.zero_grad()  # start of the iteration: model averaging starts here
         if o.compute > 0:  # the simulated part of forward/backward, and the injector
             time.sleep(o.compute)
@@ -243,11 +251,12 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     fresh = _gather_sum(comm, [coll.get("fresh_contributions", 0),
                                coll.get("stale_contributions", 0)])
     run = Run(method, seed, total, float(worst), float(wait), final, describe=describe,
+              buckets=stats["buckets"],
               fresh_share=float(fresh[0] / fresh.sum()) if fresh.sum() else None)
     if rank == 0:
         if live:
             sys.stdout.write("\r" + " " * 60 + "\r")
-        probe = make_model(o.hidden)
+        probe = make_model(o.hidden).to(device)
         stride = max(1, len(snaps) // 300)  # at most ~300 evaluations per run
         for i, (t, v) in enumerate(snaps):
             if i % stride and i != len(snaps) - 1:
@@ -401,6 +410,11 @@ def check_options(o: argparse.Namespace) -> list[str]:
             raise InvalidArgumentError(name, f"must be >= 1, got {getattr(o, name)}")
     if o.group_size < 0:
         raise InvalidArgumentError("group_size", f"must be >= 0, got {o.group_size}")
+    if o.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError("device", "cuda asked for but torch sees no CUDA GPU")
     if o.compute < 0 or not 0 < o.target <= 1 or o.lr <= 0:
         raise InvalidArgumentError("compute/target/lr", "need compute >= 0, 0 < target <= 1, "
                                    "lr > 0")
@@ -413,6 +427,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
     import torch
 
     from . import imbalance as imb
+    from .torch_views import use_local_gpu
     from .train import default_group_size
 
     methods = check_options(o)
@@ -422,7 +437,8 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         o.group_size = default_group_size(P)
     spec = o.imbalance or f"reference:{o.compute}:2"
     imb.make_injector(spec, P, 0)  # validate before anything runs
-    data = load_data()
+    device = use_local_gpu() if o.device == "cuda" else torch.device("cpu")
+    data = load_data(device)
     talk = rank == 0 and not o.quiet
     live = talk and out.isatty() if hasattr(out, "isatty") else False
     if talk:
@@ -431,7 +447,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
               f"{spec}, compute {1e3 * o.compute:g} ms, group size {o.group_size}, sync every "
               f"{o.sync_every} ({o.activation} activation, rounds start at the {o.round_start}, "
               f"grace {o.grace:g}), "
-              f"{o.shards} shards, seeds "
+              f"{o.shards} shards, {device}, seeds "
               f"0..{o.seeds - 1}", file=out, flush=True)
     # Warm-up (untimed): JIT-compiled kernels, schedules and channels.
     none = imb.make_injector("none", P, 0)

@@ -3,7 +3,8 @@
 NumPy has no bfloat16 of its own (``ml_dtypes`` supplies one) and PyTorch
 cannot hand a bfloat16 tensor to NumPy, so bfloat16 crosses through a 16-bit
 integer view of the same memory. The training layer and the benchmarks' peers
-both need this; it lives here once. PyTorch is imported only when called.
+both need this; it lives here once, with the choice of a rank's GPU. PyTorch
+is imported only when called.
 """
 
 from __future__ import annotations
@@ -32,4 +33,22 @@ def torch_of(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-__all__ = ["numpy_of", "torch_of"]
+def use_local_gpu(world: Any = None) -> Any:
+    """Make this rank's GPU torch's current device and return it: the rank's
+    index among the ranks of its node, modulo the node's GPUs (ranks beyond
+    the GPU count share them; docs/gpu.md, "Several ranks per GPU").
+    Collective over ``world`` (default MPI_COMM_WORLD): a shared-memory split."""
+    import torch
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD if world is None else world
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        index = local.Get_rank() % torch.cuda.device_count()
+    finally:
+        local.Free()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+__all__ = ["numpy_of", "torch_of", "use_local_gpu"]

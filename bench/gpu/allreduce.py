@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import wagma_comm
+from torch_dist import init_torch_nccl  # bench/gpu/, beside this script
 
 
 def _parse_size(text: str) -> int:
@@ -56,13 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else rank % torch.cuda.device_count())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000 if rank == 0 else 0))
-    port = world.bcast(os.environ["MASTER_PORT"], root=0)
-    os.environ["MASTER_PORT"] = port
-    dist.init_process_group("nccl", rank=rank, world_size=size,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    init_torch_nccl(world)
     comm = wagma_comm.init(timeout=120)
     gsize = args.group_size or size
     partition = wagma_comm.groups.partition(size, gsize, 0)

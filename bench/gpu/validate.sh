@@ -1,6 +1,7 @@
 #!/bin/bash
 # Everything the GPU issue asks to rerun, in one device call (docs/gpu.md):
-#   bash bench/gpu/validate.sh [tests|sanitizer|death|partial|bench ...]
+#   bash bench/gpu/validate.sh [tests|sanitizer|death|partial|train|trainbench|demo|
+#                              benchtests|cost|bench|sass ...]
 # Logs go to $OUT (or /tmp/gpu-out); the tail of each section is printed.
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -41,6 +42,21 @@ for what in "${@:-tests}"; do
         env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
           -k partial > "$OUT/gpu-partial-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-partial-$n.log"
       done ;;
+    train)
+      for n in 1 2 4; do
+        section "training on CUDA tensors (device buckets), $n ranks"
+        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 400 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
+          -k train > "$OUT/gpu-train-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-train-$n.log"
+      done ;;
+    trainbench)
+      section "training iterations on the GPU: device vs host buckets vs torch DDP, 4 ranks"
+      NCCL_MAX_CTAS=8 timeout 500 "$MPIEXEC" -n 4 python3 bench/gpu/train_step.py \
+        --json "$OUT/gpu-train-step-4.json" 2>&1 | tee "$OUT/gpu-train-step-4.txt" | tail -30 ;;
+    demo)
+      section "wagma demo --device cuda, 4 ranks"
+      NCCL_MAX_CTAS=8 timeout 500 "$MPIEXEC" -n 4 python3 -m wagma_comm.cli demo --device cuda \
+        --seeds 1 --epochs 10 --plot "$OUT/gpu-demo-4.png" 2>&1 | tee "$OUT/gpu-demo-4.txt" | tail -25 ;;
     benchtests)
       for n in 2 4; do
         section "wagma bench --device cuda tests, $n ranks"

@@ -76,3 +76,13 @@ def test_bad_options_are_refused_before_mpi(bad: list[str], argument: str) -> No
     with pytest.raises(InvalidArgumentError) as err:
         check_options(args)
     assert err.value.argument == argument
+
+
+def test_cuda_without_a_gpu_is_refused_before_mpi() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tests/gpu/mpi/test_gpu_train.py runs the demo on it")
+    args = build_parser().parse_args(["demo", "--device", "cuda"])
+    with pytest.raises(InvalidArgumentError) as err:
+        check_options(args)
+    assert err.value.argument == "device" and "no CUDA GPU" in str(err.value)

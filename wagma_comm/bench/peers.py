@@ -69,7 +69,7 @@ from ..errors import (
     InvalidArgumentError,
     UnsupportedError,
 )
-from ..torch_views import numpy_of, torch_of
+from ..torch_views import numpy_of, torch_of, use_local_gpu
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -548,12 +548,8 @@ def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
     reasons = {n: _torch_reason(n, device) for n in wanted if n in ("gloo", "nccl")}
     usable = [n for n, r in reasons.items() if r is None]
     if usable:
-        import torch
-
         if "nccl" in usable:
-            local = world.Split_type(MPI.COMM_TYPE_SHARED)
-            torch.cuda.set_device(local.Get_rank() % torch.cuda.device_count())
-            local.Free()
+            use_local_gpu(world)
         backend = "cpu:gloo,cuda:nccl" if len(usable) == 2 else usable[0]
         _TorchSession.acquire(world, backend, timeout)
         for _ in usable[1:]:
