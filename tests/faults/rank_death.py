@@ -50,6 +50,22 @@ def record(comm: wagma_comm.Communicator, call: Callable[[], Any]) -> None:
         json.dump(result, f)
 
 
+def report_device_free(me: int) -> None:
+    """After a GPU case's failure: the GPU is free again (no survivor's kernel
+    is stuck on the device, NCCL's were aborted); say so in the report."""
+    import cupy
+
+    probe = cupy.arange(1 << 20, dtype=cupy.float32)
+    cupy.cuda.Device(0).synchronize()
+    assert float(probe.sum()) == (1 << 20) * ((1 << 20) - 1) / 2
+    path = os.path.join(OUT, f"rank{me}.json")
+    with open(path) as f:
+        report = json.load(f)
+    report["device_free"] = True
+    with open(path, "w") as f:
+        json.dump(report, f)
+
+
 def main() -> None:
     comm = wagma_comm.init(timeout=TIMEOUT)
     me = comm.rank
@@ -147,15 +163,30 @@ def main() -> None:
             record(comm, lambda: [comm.group_allreduce(gpu_big, 2, s) for s in range(20)])
         else:
             record(comm, lambda: [comm.allreduce(gpu_big) for _ in range(20)])
-        # The GPU is free again: no survivor's kernel is stuck on the device.
-        probe = cupy.arange(1 << 20, dtype=cupy.float32)
-        cupy.cuda.Device(0).synchronize()
-        assert float(probe.sum()) == (1 << 20) * ((1 << 20) - 1) / 2
-        with open(os.path.join(OUT, f"rank{me}.json")) as f:
-            report = json.load(f)
-        report["device_free"] = True
-        with open(os.path.join(OUT, f"rank{me}.json"), "w") as f:
-            json.dump(report, f)
+        report_device_free(me)
+    elif CASE in ("gpu_wait_avoiding", "gpu_sync_round"):
+        # WAGMA on GPU buffers (partial/device.py): the victim dies inside its
+        # 4th step, a group round or the synchronous one, whose NCCL allreduce
+        # on the collective's own communicators then waits for it. The
+        # survivors must abort those communicators and fail naming it.
+        import cupy
+
+        cupy.cuda.Device(0).use()
+        gpu_model = cupy.zeros(16 << 20, dtype=cupy.float32)  # 64 MiB: long rounds
+        sync_every = 1000 if CASE == "gpu_wait_avoiding" else 4
+        wagma = comm.wait_avoiding_group_allreduce(gpu_model, group_size=2,
+                                                   sync_every=sync_every)
+        for _ in range(3):  # rounds that complete
+            wagma.step(gpu_model)
+        if victim:
+            die_soon(0.01)
+
+        def gpu_steps() -> None:
+            for _ in range(200):
+                wagma.step(gpu_model)
+                time.sleep(0.005)
+        record(comm, gpu_steps)
+        report_device_free(me)
     elif CASE == "gpu_timeout":
         # The victim stays alive but never joins the NCCL collective: the
         # survivors' deadline must fire, abort NCCL (their kernels return)
@@ -169,14 +200,7 @@ def main() -> None:
             time.sleep(1.5 * TIMEOUT)
             return
         record(comm, lambda: comm.allreduce(cupy.ones(1 << 20, dtype=cupy.float32)))
-        probe = cupy.arange(1 << 20, dtype=cupy.float32)
-        cupy.cuda.Device(0).synchronize()
-        assert float(probe.sum()) == (1 << 20) * ((1 << 20) - 1) / 2
-        with open(os.path.join(OUT, f"rank{me}.json")) as f:
-            report = json.load(f)
-        report["device_free"] = True
-        with open(os.path.join(OUT, f"rank{me}.json"), "w") as f:
-            json.dump(report, f)
+        report_device_free(me)
         return
     elif CASE == "exit":  # survivors exit with a collective outstanding, no close()
         if victim:

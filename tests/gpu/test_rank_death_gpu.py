@@ -74,3 +74,36 @@ def test_a_rank_absent_from_nccl_work_times_out_and_frees_the_gpu(tmp_path: Path
         assert victim in report["ranks"] and r not in report["ranks"], report
         assert TIMEOUT_S * 0.9 < report["elapsed"] < 2 * TIMEOUT_S, report
         assert report.get("device_free") is True, report
+
+
+@pytest.mark.skipif(not host.MPIEXEC.exists(), reason="mpiexec not installed")
+@pytest.mark.parametrize("case", ["gpu_wait_avoiding", "gpu_sync_round"])
+def test_a_rank_killed_inside_a_wagma_gpu_round_is_named_and_frees_the_gpu(
+        case: str, tmp_path: Path) -> None:
+    """WAGMA on GPU buffers: the victim dies in its 4th step (a group round,
+    or the synchronous round). The survivors' rounds on the collective's own
+    NCCL communicators must be aborted, not left waiting on the GPU; each
+    survivor that raises names the victim (or, waiting for a survivor that
+    already left, the victim as dead outside its group), within 2 x the
+    timeout, and every survivor ends with the liveness exit code."""
+    elapsed, stderr, outcomes = host.run_case(case, tmp_path, RANKS, TIMEOUT_S, NCCL_ENV)
+    print(case, f"{elapsed:.1f}s", json.dumps(outcomes, indent=1), stderr[-3000:])
+    assert elapsed < 3 * TIMEOUT_S + 20
+    victim = host.VICTIM
+    assert outcomes[victim]["report"] is None and outcomes[victim]["status"] == 128 + 9
+    reports = 0
+    for r, outcome in outcomes.items():
+        if r == victim:
+            continue
+        assert outcome["status"] == host.EXIT_CODE, (r, outcome)
+        report = outcome["report"]
+        if report is None:
+            continue  # the liveness exit path ended it first (as on the host)
+        reports += 1
+        assert report["error"] in ("RankFailedError", "CollectiveTimeoutError"), report
+        assert (victim in report["ranks"]
+                or f"ranks [{victim}], outside this group, are dead" in report["message"]), report
+        assert report["collective"] in ("wait_avoiding_group_allreduce", "allreduce"), report
+        assert report["elapsed"] < 2 * TIMEOUT_S, report
+        assert report.get("device_free") is True, report
+    assert reports >= 1, "no survivor raised: every one was ended by the exit path"
