@@ -350,6 +350,50 @@ def test_debug_reports_mismatched_calls_by_rank() -> None:
         assert a[0] == SIZE
 
 
+CHUNKED = [("allreduce", "ring"), ("allreduce", "rabenseifner"),
+           ("broadcast", "scatter_allgather")]
+
+
+@pytest.mark.parametrize("collective, algorithm", CHUNKED, ids=[a for _, a in CHUNKED])
+def test_a_count_mismatch_with_empty_chunks_is_never_a_silent_result(
+        collective: str, algorithm: str) -> None:
+    """A count below the group size leaves chunks empty. Empty chunks used to
+    send nothing, so a rank whose count differed from its peers' numbered its
+    messages differently and could take a peer's *next* chunk of the same
+    size: a 4-rank scatter_allgather broadcast of 4 elements, the last rank
+    passing 3, returned [2. 3. 4.] there with no error. Empty chunks now
+    travel as zero-byte messages, so every chunk's size is compared: the
+    last rank (one element short: its last chunk is empty) never returns,
+    and any rank that does holds the right values."""
+    if SIZE == 1:
+        pytest.skip("a mismatch needs two ranks")
+    last = RANK == SIZE - 1
+    count = SIZE - last
+    if collective == "allreduce":
+        buf = np.arange(1, count + 1, dtype=np.float32) * (RANK + 1)
+        expected = np.arange(1, count + 1, dtype=np.float32) * (SIZE * (SIZE + 1) // 2)
+    else:
+        buf = np.arange(1, count + 1, dtype=np.float32) * (RANK == 0)
+        expected = np.arange(1, count + 1, dtype=np.float32)
+    with message_path():
+        c = wagma_comm.init(timeout=3)
+    try:
+        try:
+            if collective == "allreduce":
+                c.allreduce(buf, algorithm=algorithm)
+            else:
+                c.broadcast(buf, root=0, algorithm=algorithm)
+            outcome = ("done", bool(np.array_equal(buf, expected)), buf.tolist())
+        except wagma_comm.WagmaError as err:
+            outcome = (type(err).__name__, err.ranks)
+    finally:
+        c.close()
+    outcomes = WORLD.allgather(outcome)
+    assert outcomes[SIZE - 1][0] != "done", outcomes
+    assert all(o[1] for o in outcomes if o[0] == "done"), outcomes  # no wrong result
+    assert any(o[0] == "MessageSizeError" for o in outcomes), outcomes
+
+
 @pytest.mark.parametrize("path, mismatch", [
     ("straight-line", "count"), ("dataflow", "count"), ("executor", "count"),
     ("straight-line", "dtype"), ("dataflow", "dtype"), ("executor", "dtype")])

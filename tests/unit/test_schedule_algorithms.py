@@ -183,14 +183,34 @@ def _messages(s: Schedule) -> list[Send | Recv]:
     return [op for op in s.ops if isinstance(op, (Send, Recv))]
 
 
-@pytest.mark.parametrize("algorithm", ["rabenseifner", "ring"])
-def test_no_zero_length_messages(algorithm: str) -> None:
-    for n in (3, 5, 8):
-        for count in (1, n - 1, n + 1):
-            for s in alg.compile_group("allreduce", tuple(range(n)), count, "sum",
-                                       algorithm=algorithm):
-                slots = [op.src if isinstance(op, Send) else op.dst for op in _messages(s)]
-                assert slots and all(slot.count > 0 for slot in slots)
+def _message_pattern(s: Schedule) -> list[tuple[str, int, int]]:
+    return [(type(op).__name__, op.peer, op.msg) for op in _messages(s)]
+
+
+CHUNKED = [("allreduce", "rabenseifner"), ("allreduce", "ring"),
+           ("broadcast", "scatter_allgather")]
+
+
+@pytest.mark.parametrize("collective,algorithm", CHUNKED, ids=[a for _, a in CHUNKED])
+def test_empty_chunks_travel_so_message_numbers_never_depend_on_the_count(
+        collective: str, algorithm: str) -> None:
+    """Which messages a rank exchanges, with which numbers, is the same for any
+    count > 0: a rank whose count differs from its peers' (a user error)
+    cannot match a peer's *next* chunk; its chunk sizes differ instead, and
+    the receive's size check names it (tests/mpi/test_errors.py)."""
+    extra = {"root": 1} if collective == "broadcast" else {"op": "sum"}
+
+    def schedules(n: int, count: int) -> tuple[Schedule, ...]:
+        return alg.compile_group(collective, tuple(range(n)), count, algorithm=algorithm,
+                                 **extra)
+
+    for n in (3, 4, 5, 8):
+        reference = [_message_pattern(s) for s in schedules(n, 4 * n + 3)]
+        for count in (1, 2, n - 1, n, n + 1):
+            assert [_message_pattern(s) for s in schedules(n, count)] == reference, (n, count)
+        # count 1 over n >= 3 ranks: some chunks are empty, and they travel
+        assert any((op.src if isinstance(op, Send) else op.dst).count == 0
+                   for s in schedules(n, 1) for op in _messages(s))
 
 
 def test_message_numbers_are_contiguous_per_peer() -> None:

@@ -132,12 +132,12 @@ class _Group:
         return Slot(self.b.scratch(f"tmp{step % 2}", count), 0, count)
 
     def exchange_reduce(self, mine: Slot, theirs: Slot, pos: int, step: int, op: str) -> None:
-        """Send ``theirs`` to ``pos``, receive its copy of ``mine`` and reduce it in."""
-        if theirs.count:
-            self.b.send(theirs, self.peer(pos))
+        """Send ``theirs`` to ``pos``, receive its copy of ``mine`` and reduce it in.
+        An empty chunk still travels, as a zero-byte message (see ``_ring``)."""
+        self.b.send(theirs, self.peer(pos))
+        tmp = self.tmp(step, mine.count)
+        self.b.recv(tmp, self.peer(pos))
         if mine.count:
-            tmp = self.tmp(step, mine.count)
-            self.b.recv(tmp, self.peer(pos))
             self.b.reduce(mine, tmp, op)
 
 
@@ -207,15 +207,20 @@ def _allgather_doubling(g: _Group, p2: int, offsets: tuple[int, ...]) -> None:
         mine = g.me & ~(mask - 1)
         theirs = mine ^ mask
         partner = g.peer(g.me ^ mask)
-        if _span(offsets, mine, mine + mask).count:
-            g.b.send(_span(offsets, mine, mine + mask), partner)
-        if _span(offsets, theirs, theirs + mask).count:
-            g.b.recv(_span(offsets, theirs, theirs + mask), partner)
+        g.b.send(_span(offsets, mine, mine + mask), partner)
+        g.b.recv(_span(offsets, theirs, theirs + mask), partner)
         mask <<= 1
 
 
 def _ring(g: _Group, op: str) -> None:
-    """Reduce-scatter ring then allgather ring; position i owns chunk i+1."""
+    """Reduce-scatter ring then allgather ring; position i owns chunk i+1.
+
+    Chunks are empty when the count is below the group size; they still
+    travel, as zero-byte messages. Skipping them would shift the message
+    numbers of a rank whose count differs (a user error) against its peers',
+    so it could match a peer's *next* chunk of the same size and return a
+    wrong result silently; sent, every chunk's size is checked on receipt
+    (MessageSizeError). The chunked algorithms below do the same."""
     n, me, red = g.n, g.me, _base_op(op)
     offsets = chunk_offsets(g.b.count, n)
 
@@ -223,19 +228,16 @@ def _ring(g: _Group, op: str) -> None:
         return _span(offsets, c % n, c % n + 1)
 
     for s in range(n - 1):
-        if chunk(me - s).count:
-            g.b.send(chunk(me - s), g.peer(me + 1))
-        if chunk(me - s - 1).count:
-            tmp = g.tmp(s, chunk(me - s - 1).count)
-            g.b.recv(tmp, g.peer(me - 1))
+        g.b.send(chunk(me - s), g.peer(me + 1))
+        tmp = g.tmp(s, chunk(me - s - 1).count)
+        g.b.recv(tmp, g.peer(me - 1))
+        if tmp.count:
             g.b.reduce(chunk(me - s - 1), tmp, red)
     if op == "avg" and chunk(me + 1).count:
         g.b.scale(chunk(me + 1), n)
     for s in range(n - 1):
-        if chunk(me + 1 - s).count:
-            g.b.send(chunk(me + 1 - s), g.peer(me + 1))
-        if chunk(me - s).count:
-            g.b.recv(chunk(me - s), g.peer(me - 1))
+        g.b.send(chunk(me + 1 - s), g.peer(me + 1))
+        g.b.recv(chunk(me - s), g.peer(me - 1))
 
 
 def _native_allreduce(g: _Group, op: str) -> None:
@@ -298,13 +300,11 @@ def _scatter_allgather(g: _Group, root: int) -> None:
     n, v = g.n, (g.me - root) % g.n
     offsets = chunk_offsets(g.b.count, n)
     lo, hi = _lowbit_span(v, n)
-    if v and _span(offsets, lo, hi).count:
+    if v:  # empty chunks travel too (see _ring)
         g.b.recv(_span(offsets, lo, hi), g.peer(root + v - (v & -v)))
     mask = _pow2_floor(hi - lo - 1) if hi - lo > 1 else 0  # largest child < hi
     while mask:
-        child = _span(offsets, v + mask, v + 2 * mask)
-        if child.count:
-            g.b.send(child, g.peer(root + v + mask))
+        g.b.send(_span(offsets, v + mask, v + 2 * mask), g.peer(root + v + mask))
         mask >>= 1
     _ring_allgather_skip(g, root, offsets)
 
@@ -319,12 +319,11 @@ def _ring_allgather_skip(g: _Group, root: int, offsets: tuple[int, ...]) -> None
         return lo <= c % n < hi
 
     for s in range(n - 1):
-        out = _span(offsets, (v - s) % n, (v - s) % n + 1)
-        if out.count and not has(v + 1, v - s):
-            g.b.send(out, g.peer(root + v + 1))
-        inc = _span(offsets, (v - s - 1) % n, (v - s - 1) % n + 1)
-        if inc.count and not has(v, v - s - 1):
-            g.b.recv(inc, g.peer(root + v - 1))
+        if not has(v + 1, v - s):
+            g.b.send(_span(offsets, (v - s) % n, (v - s) % n + 1), g.peer(root + v + 1))
+        if not has(v, v - s - 1):
+            g.b.recv(_span(offsets, (v - s - 1) % n, (v - s - 1) % n + 1),
+                     g.peer(root + v - 1))
 
 
 def _native_broadcast(g: _Group, root: int) -> None:

@@ -253,7 +253,11 @@ class NCCLTransport:
         world = self.world._comm
         for wave in waves:
             ops = [sched.ops[i] for i in wave]
-            p2p = [op for op in ops if isinstance(op, (Send, Recv))]
+            # Empty chunks' zero-byte messages (schedule/algorithms.py) serve
+            # the host path's size check; NCCL matches by order and checks no
+            # size, so both ends skip them alike.
+            p2p = [op for op in ops if (isinstance(op, Send) and op.src.count)
+                   or (isinstance(op, Recv) and op.dst.count)]
             if p2p:
                 def issue_p2p() -> None:
                     nb.group_start()
