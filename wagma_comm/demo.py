@@ -214,7 +214,7 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     P, rank = comm.size, comm.rank
     device = data.x_train.device
     model, opt = make_trainer(comm, method, seed, o, device)
-    shard = make_shard(data.y_train.numpy(), rank, P, seed, o.shards)
+    shard = make_shard(data.y_train.cpu().numpy(), rank, P, seed, o.shards)
     per_epoch = max(1, len(shard) // o.batch)
     total = iterations if iterations is not None else o.epochs * per_epoch
     rng = np.random.default_rng([seed, rank])

@@ -551,11 +551,42 @@ def test_the_mpi_transport_tells_short_and_long_messages_apart() -> None:
                         except transport.raw_errors as exc:
                             raise transport.error_of(exc) from exc
             senders = transport.overlong(info.value, statuses)  # type: ignore[arg-type]
-            assert [sender for _, sender in senders] == [0]
+            assert [(sender, tag) for _, sender, tag in senders] == [(0, transport.tag(0, 2))]
             if test == "all":  # request order: the receive's own position
-                assert senders == [(0, 0)]
+                assert senders[0][0] == 0
             requests[1].Wait()
         assert transport.overlong(wagma_comm.TransportError("not MPI's"), statuses) == []
+    finally:
+        transport.close()
+
+
+def test_a_truncated_receive_is_named_by_its_tag_among_receives_from_one_sender() -> None:
+    """Two receives from the same sender; the second gets a message longer
+    than its buffer. The failed test's status carries the tag, which names
+    that receive (the first completed receive from the sender used to be
+    taken, so the size error could fail another collective's run)."""
+    from wagma_comm.runtime.inline import overlong_receive
+    from wagma_comm.transport.mpi import MPITransport
+
+    transport = MPITransport(MPI.COMM_SELF, timeout=30)
+    isend, irecv = transport.posters("data")
+    three = np.arange(3, dtype=np.float32)
+    try:
+        sends = [isend(three, 0, transport.tag(7, 1)), isend(three, 0, transport.tag(8, 1))]
+        fits, small = np.zeros(3, np.float32), np.zeros(2, np.float32)
+        requests = [irecv(fits, 0, transport.tag(7, 1)), irecv(small, 0, transport.tag(8, 1))]
+        statuses = transport.statuses(2)
+        assert statuses is not None
+        deadline = time.monotonic() + 10
+        with pytest.raises(wagma_comm.TransportError) as info:
+            while True:
+                assert time.monotonic() < deadline
+                transport.test_some(requests, statuses)
+        receives = [(0, 0, transport.tag(7, 1)), (1, 0, transport.tag(8, 1))]
+        assert overlong_receive(transport, info.value, statuses, requests, receives) == 1
+        assert fits.tolist() == [0, 1, 2]
+        for req in sends:
+            req.Wait()
     finally:
         transport.close()
 

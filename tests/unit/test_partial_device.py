@@ -1,10 +1,12 @@
 """The host-side pieces of the GPU path of the partial collectives
 (wagma_comm/partial/device.py) that need no GPU: which NCCL communicators a
-collective makes, in which order, and the bounded wait on a stream."""
+collective makes, in which order, the bounded wait on a stream, and whom a
+failed round names."""
 
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import pytest
 
@@ -55,3 +57,34 @@ def test_wait_stream_returns_when_done_and_raises_at_the_deadline() -> None:
     wait_stream(_Stream(0.01), time.monotonic() + 5, "work")
     with pytest.raises(TimeoutError, match="still running"):
         wait_stream(_Stream(60), time.monotonic() + 0.05, "work")
+
+
+def test_a_death_behind_an_nccl_error_is_looked_for_within_the_grace() -> None:
+    """NCCL may report a killed member's closed socket before its process is
+    reaped: the liveness answer is asked again until the grace ends."""
+    from wagma_comm.runtime.gpu import dead_elsewhere, dead_within, timeout_blame
+
+    asked: list[float] = []
+
+    def reaped_on_third_look(members: Sequence[int]) -> list[int]:
+        asked.append(time.monotonic())
+        return [2] if len(asked) >= 3 and 2 in members else []
+
+    assert dead_within(reaped_on_third_look, [1, 2], grace=5.0) == [2]
+    assert len(asked) == 3 and asked[-1] - asked[0] < 1.0
+    started = time.monotonic()
+    assert dead_within(lambda members: [], [1, 2], grace=0.1) == []
+    assert 0.1 <= time.monotonic() - started < 1.0
+    # a cascade: the round's group lost member 3, which left after rank 2 died
+    gone = {2, 3}
+
+    def dead(members: Sequence[int]) -> list[int]:
+        return sorted(gone & set(members))
+
+    note = dead_elsewhere(dead, (1, 3), range(4))
+    assert note.startswith("; ranks [2], outside this group, are dead")
+    assert dead_elsewhere(dead, (2, 3), range(4)) == ""
+    assert timeout_blame(dead, (1, 3), 1, range(4)) == ([3], "these members' processes are "
+                                                        "gone" + note)
+    blamed, why = timeout_blame(None, (0, 1, 3), 1, range(4))
+    assert blamed == [0, 3] and "NCCL does not say which members arrived" in why

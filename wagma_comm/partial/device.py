@@ -42,7 +42,7 @@ from ..errors import (
     UnsupportedError,
     WagmaError,
 )
-from ..runtime.gpu import timeout_blame
+from ..runtime.gpu import dead_elsewhere, dead_within, timeout_blame
 from ..transport.nccl import NCCL_IN_PROGRESS, UNIQUE_ID_BYTES, call_settled, unavailable_reason
 from .base import agree, check_first_round, check_step_shape, check_sync_every
 from .eager import MajorityAllreduce, SoloAllreduce
@@ -408,21 +408,32 @@ class DevicePartial:
         if dead:
             return RankFailedError(self.kind, rnd.seq, dead,
                                    f"{rnd.label}: a member's process died; NCCL "
-                                   "communicators aborted")
+                                   "communicators aborted" + self._dead_elsewhere(rnd))
         problem = self._dev.async_error()
         return None if problem is None else self._attribute(rnd, TransportError(problem))
 
     def _attribute(self, rnd: DeviceRound, error: TransportError) -> WagmaError:
-        """An NCCL error in a round: RankFailedError if a member is gone."""
-        dead = self._dead(rnd.members)
+        """An NCCL error in a round: RankFailedError if a member is gone
+        (looked for a while, as the GPU queue does: runtime/gpu.py)."""
+        live = self._comm._liveness
+        dead = dead_within(live.dead, rnd.members) if live is not None else []
         if dead:
             return RankFailedError(self.kind, rnd.seq, dead, f"{rnd.label}: a member's process "
-                                   f"died (NCCL: {error}); NCCL communicators aborted")
+                                   f"died (NCCL: {error}); NCCL communicators aborted"
+                                   + self._dead_elsewhere(rnd))
         return TransportError(f"{self.kind} (round {rnd.seq}), {rnd.label}: {error}")
 
     def _dead(self, members: Sequence[int]) -> list[int]:
         live = self._comm._liveness
         return live.dead(members) if live is not None else []
+
+    def _dead_elsewhere(self, rnd: DeviceRound) -> str:
+        """The dead ranks outside the round's group: a member that waited for
+        one of them failed and left, which is why this round lost it (a
+        cascade)."""
+        live = self._comm._liveness
+        return dead_elsewhere(live.dead if live is not None else None, rnd.members,
+                              range(self.size))
 
     def _abort_round(self, rnd: DeviceRound, error: WagmaError) -> None:
         self._in_flight = None

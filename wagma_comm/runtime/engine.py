@@ -974,7 +974,9 @@ class Engine:
         try:
             return self._transport.test_some(requests, self._statuses)
         except TransportError as exc:
-            receives = [(k, run.ops[i].peer) for k, (run, i) in enumerate(self._owners)
+            tag = self._transport.tag
+            receives = [(k, run.ops[i].peer, tag(run.work.seq, run.ops[i].msg))
+                        for k, (run, i) in enumerate(self._owners)
                         if run is not None and type(run.ops[i]) is Recv]
             found = overlong_receive(self._transport, exc, self._statuses or [],
                                      requests, receives)

@@ -212,17 +212,12 @@ class GpuQueue:
         the collective and round named."""
         members = work.schedule.ranks
         if self._dead_peers is not None:
-            limit = time.monotonic() + _DEATH_GRACE_S
-            while True:
-                dead = self._dead_peers(members)
-                if dead:
-                    return RankFailedError(
-                        work.collective, work.seq, dead,
-                        f"a member's process died (NCCL: {error}); NCCL communicators "
-                        "aborted" + dead_elsewhere(self._dead_peers, members, self._world))
-                if time.monotonic() > limit:
-                    break
-                time.sleep(0.02)
+            dead = dead_within(self._dead_peers, members, _DEATH_GRACE_S)
+            if dead:
+                return RankFailedError(
+                    work.collective, work.seq, dead,
+                    f"a member's process died (NCCL: {error}); NCCL communicators "
+                    "aborted" + dead_elsewhere(self._dead_peers, members, self._world))
         return TransportError(f"{work.collective} (round {work.seq}): {error}")
 
     def _timeout_error(self, work: GpuWork, what: str) -> CollectiveTimeoutError:
@@ -278,6 +273,19 @@ def timeout_blame(dead_peers: Callable[[Sequence[int]], list[int]] | None,
     return [r for r in members if r != me], (
         "NCCL does not say which members arrived; these are the other members"
         + dead_elsewhere(dead_peers, members, world))
+
+
+def dead_within(dead_peers: Callable[[Sequence[int]], list[int]], members: Sequence[int],
+                grace: float = _DEATH_GRACE_S) -> list[int]:
+    """The dead among ``members`` after an NCCL error, asked again for up to
+    ``grace`` seconds: NCCL may see a killed peer's closed socket before the
+    process is reaped."""
+    limit = time.monotonic() + grace
+    while True:
+        dead = dead_peers(members)
+        if dead or time.monotonic() > limit:
+            return dead
+        time.sleep(0.02)
 
 
 def dead_elsewhere(dead_peers: Callable[[Sequence[int]], list[int]] | None,

@@ -91,14 +91,20 @@ def post(op: Any, arrays: dict[str, np.ndarray], dtype: DType, transport: Transp
 
 
 def overlong_receive(transport: Transport, error: TransportError, statuses: list[Any],
-                     requests: list[Any], receives: list[tuple[int, int]]) -> int | None:
+                     requests: list[Any],
+                     receives: list[tuple[int, int, int | None]]) -> int | None:
     """After ``error`` from a test of some of ``requests`` that filled
-    ``statuses``: the index of a receive among ``receives`` ((index, peer)
-    pairs) that got a message longer than its buffer, or None. The statuses
-    come in completion order, so the sender names the receive: one MPI
-    completed (its request now null, hence false) if several are from it."""
-    for _, sender in transport.overlong(error, statuses):
-        matches = [k for k, peer in receives if peer == sender]
+    ``statuses``: the index of a receive among ``receives`` ((index, peer,
+    tag) triples) that got a message longer than its buffer, or None. The
+    statuses come in completion order, so the sender and the tag name the
+    receive. Where the transport gives no tag, the first receive from the
+    sender that MPI completed (its request now null, hence false) is taken,
+    which is a guess when several from it completed in the same test."""
+    for _, sender, tag in transport.overlong(error, statuses):
+        matches = [k for k, peer, _ in receives if peer == sender]
+        exact = [k for k, peer, t in receives if peer == sender and t == tag]
+        if tag is not None and exact:
+            return exact[0]
         if matches:
             completed = [k for k in matches if not requests[k]]
             return (completed or matches)[0]
@@ -397,8 +403,8 @@ class ProgramRun:
         if program.expected[owners[k]] and transport.overlong(error, [program.status]):
             i = owners[k]
         else:
-            receives = [(j, program.peers[i]) for j, i in enumerate(owners)
-                        if program.expected[i]]
+            receives = [(j, program.peers[i], transport.tag(seq, program.msgs[i]))
+                        for j, i in enumerate(owners) if program.expected[i]]
             found = overlong_receive(transport, error, program.statuses or [],
                                      self.requests, receives)
             if found is None:

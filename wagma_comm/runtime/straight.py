@@ -194,7 +194,7 @@ class StraightLine:
             if statuses is None or not recvs:
                 continue
             position = dict(recvs)
-            for j, _ in self._transport.overlong(error, statuses):
+            for j, _, _ in self._transport.overlong(error, statuses):
                 if j in position:
                     return self._size_error(seq, position[j], None)
         return None

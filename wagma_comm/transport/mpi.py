@@ -324,18 +324,22 @@ class MPITransport(Transport):
 
     received_bytes = staticmethod(MPI.Status.Get_count)  # the bare call: in bytes by default
 
-    def overlong(self, error: TransportError, statuses: list[Any]) -> list[tuple[int, int]]:
+    def overlong(self, error: TransportError,
+                 statuses: list[Any]) -> list[tuple[int, int, int | None]]:
         if error.code is None:
             return []
         kind = MPI.Get_error_class(error.code)
         if kind == MPI.ERR_TRUNCATE:  # a test of one request: its status has no error
-            return [(0, statuses[0].Get_source())] if statuses else []
+            return [(0, statuses[0].Get_source(), statuses[0].Get_tag())] if statuses else []
         if kind != MPI.ERR_IN_STATUS:
             return []
         # A test of several writes every status it returns, errors included,
         # so a truncation seen here is this call's.
-        return [(k, status.Get_source()) for k, status in enumerate(statuses)
+        return [(k, status.Get_source(), status.Get_tag()) for k, status in enumerate(statuses)
                 if MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE]
+
+    def tag(self, seq: int, msg: int) -> int | None:
+        return self._tag(seq, msg)
 
     def abandon(self, request: Any) -> None:
         # Receives only. Cancelling a send is deprecated (MPI-4) and MPICH 5.0
