@@ -16,32 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 import wagma_comm
-from torch_dist import init_torch_nccl  # bench/gpu/, beside this script
+from torch_dist import init_torch_nccl, seconds_per_call  # bench/gpu/, beside this script
 
 
 def _parse_size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-
-
-def _time(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    MPI.COMM_WORLD.Barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / iters
-    return MPI.COMM_WORLD.allreduce(elapsed, op=MPI.MAX)
 
 
 def main() -> None:
@@ -78,16 +64,16 @@ def main() -> None:
         y = x.clone()
         iters = 200 if nbytes <= (1 << 20) else 20
         warmup = 20 if nbytes <= (1 << 20) else 5
-        ours = _time(lambda: ours_call(x, "native"), iters, warmup)
+        ours = seconds_per_call(lambda: ours_call(x, "native"), iters, warmup)
 
         def ours_async() -> None:
             hs = [ours_call(x, "native", async_op=True) for _ in range(4)]
             for h in hs:
                 h.wait()
-        ours_nb = _time(ours_async, max(1, iters // 4), max(1, warmup // 4)) / 4
+        ours_nb = seconds_per_call(ours_async, max(1, iters // 4), max(1, warmup // 4)) / 4
         dag_alg = "recursive_doubling" if nbytes < (1 << 20) else "ring"
-        dag = _time(lambda: ours_call(x, dag_alg), iters, warmup)
-        theirs = _time(lambda: dist.all_reduce(y, group=torch_groups[mine]), iters, warmup)
+        dag = seconds_per_call(lambda: ours_call(x, dag_alg), iters, warmup)
+        theirs = seconds_per_call(lambda: dist.all_reduce(y, group=torch_groups[mine]), iters, warmup)
         factor = 2 * (members - 1) / members if members > 1 else 1.0
         rows.append({"bytes": n * 4, "ours_us": ours * 1e6, "ours_async_us": ours_nb * 1e6,
                      "dag_us": dag * 1e6, "dag_algorithm": dag_alg, "torch_us": theirs * 1e6,

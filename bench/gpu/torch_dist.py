@@ -1,9 +1,12 @@
-"""torch.distributed's NCCL process group over the ranks of an MPI job, the
-baseline the GPU benchmarks compare with (one place for its set-up)."""
+"""What the GPU benchmarks share: torch.distributed's NCCL process group over
+the ranks of an MPI job (the baseline they compare with), and the timing of
+a call."""
 
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,3 +25,18 @@ def init_torch_nccl(world: MPI.Comm = MPI.COMM_WORLD) -> torch.device:
     os.environ["MASTER_PORT"] = world.bcast(os.environ["MASTER_PORT"], root=0)
     dist.init_process_group("nccl", rank=rank, world_size=size, device_id=device)
     return device
+
+
+def seconds_per_call(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """The slowest rank's mean seconds per ``fn()`` over ``iters`` calls, after
+    ``warmup`` untimed ones, the GPU drained before and after."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / iters
+    return MPI.COMM_WORLD.allreduce(elapsed, op=MPI.MAX)

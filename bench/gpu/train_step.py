@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import wagma_comm
-from torch_dist import init_torch_nccl  # bench/gpu/, beside this script
+from torch_dist import init_torch_nccl, seconds_per_call  # bench/gpu/, beside this script
 from wagma_comm.demo import make_model
 from wagma_comm.train import DistributedOptimizer
 
@@ -35,26 +34,19 @@ WARMUP = 10
 BATCH = 64
 
 
-def _iterate(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
-    for _ in range(n):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+def _iterate(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
 
 
 def time_one(make: Callable[[], tuple[Any, Any, Callable[[], None]]], x: torch.Tensor,
              y: torch.Tensor, iterations: int) -> float:
     """Seconds per iteration, the slowest rank's."""
     model, opt, done = make()
-    _iterate(model, opt, x, y, WARMUP)
-    torch.cuda.synchronize()
-    MPI.COMM_WORLD.Barrier()
-    start = time.perf_counter()
-    _iterate(model, opt, x, y, iterations)
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / iterations
+    elapsed = seconds_per_call(lambda: _iterate(model, opt, x, y), iterations, WARMUP)
     done()
-    return MPI.COMM_WORLD.allreduce(elapsed, op=MPI.MAX)
+    return elapsed
 
 
 def main() -> None:

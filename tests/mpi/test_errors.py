@@ -583,7 +583,7 @@ def test_a_truncated_receive_is_named_by_its_tag_among_receives_from_one_sender(
                 assert time.monotonic() < deadline
                 transport.test_some(requests, statuses)
         receives = [(0, 0, transport.tag(7, 1)), (1, 0, transport.tag(8, 1))]
-        assert overlong_receive(transport, info.value, statuses, requests, receives) == 1
+        assert overlong_receive(transport, info.value, statuses, receives) == 1
         assert fits.tolist() == [0, 1, 2]
         for req in sends:
             req.Wait()

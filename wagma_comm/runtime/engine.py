@@ -978,8 +978,7 @@ class Engine:
             receives = [(k, run.ops[i].peer, tag(run.work.seq, run.ops[i].msg))
                         for k, (run, i) in enumerate(self._owners)
                         if run is not None and type(run.ops[i]) is Recv]
-            found = overlong_receive(self._transport, exc, self._statuses or [],
-                                     requests, receives)
+            found = overlong_receive(self._transport, exc, self._statuses or [], receives)
             if found is None:
                 raise
             run, i = self._owners[found]

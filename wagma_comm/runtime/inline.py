@@ -91,23 +91,15 @@ def post(op: Any, arrays: dict[str, np.ndarray], dtype: DType, transport: Transp
 
 
 def overlong_receive(transport: Transport, error: TransportError, statuses: list[Any],
-                     requests: list[Any],
-                     receives: list[tuple[int, int, int | None]]) -> int | None:
-    """After ``error`` from a test of some of ``requests`` that filled
-    ``statuses``: the index of a receive among ``receives`` ((index, peer,
-    tag) triples) that got a message longer than its buffer, or None. The
-    statuses come in completion order, so the sender and the tag name the
-    receive. Where the transport gives no tag, the first receive from the
-    sender that MPI completed (its request now null, hence false) is taken,
-    which is a guess when several from it completed in the same test."""
+                     receives: list[tuple[int, int, int]]) -> int | None:
+    """After ``error`` from a test that filled ``statuses``: the index of a
+    receive among ``receives`` ((index, peer, tag) triples) that got a message
+    longer than its buffer, or None. The statuses come in completion order,
+    so the sender and the tag name the receive."""
     for _, sender, tag in transport.overlong(error, statuses):
-        matches = [k for k, peer, _ in receives if peer == sender]
-        exact = [k for k, peer, t in receives if peer == sender and t == tag]
-        if tag is not None and exact:
-            return exact[0]
-        if matches:
-            completed = [k for k in matches if not requests[k]]
-            return (completed or matches)[0]
+        for k, peer, t in receives:
+            if (peer, t) == (sender, tag):
+                return k
     return None
 
 
@@ -405,8 +397,7 @@ class ProgramRun:
         else:
             receives = [(j, program.peers[i], transport.tag(seq, program.msgs[i]))
                         for j, i in enumerate(owners) if program.expected[i]]
-            found = overlong_receive(transport, error, program.statuses or [],
-                                     self.requests, receives)
+            found = overlong_receive(transport, error, program.statuses or [], receives)
             if found is None:
                 return None
             i = owners[found]

@@ -81,14 +81,14 @@ class TorchBucket:
         self.specs = tuple(specs)
         self.device = device
         self.on_device = on_device
-        self._staged = device.type != "cpu" and not on_device
+        staged = device.type != "cpu" and not on_device
         self._flat: dict[str, torch.Tensor] = {}
         self._host: dict[str, torch.Tensor] = {}  # the pinned mirror, when staged
         self._np: dict[str, np.ndarray] = {}
         for dt, n in bucket_sizes(self.specs).items():
             flat = torch.zeros(n, dtype=_BY_NAME[dt], device=device)
             self._flat[dt] = flat
-            if self._staged:
+            if staged:
                 self._host[dt] = torch.zeros(n, dtype=_BY_NAME[dt], pin_memory=True)
             if not on_device:
                 self._np[dt] = numpy_of(self._host.get(dt, flat))

@@ -106,18 +106,18 @@ class Transport(ABC):
         raise NotImplementedError(f"{self.name} does not report received sizes")
 
     def overlong(self, error: TransportError,
-                 statuses: list[Any]) -> list[tuple[int, int, int | None]]:
+                 statuses: list[Any]) -> list[tuple[int, int, int]]:
         """``(position in statuses, sender, tag)`` of each receive that got a
         message longer than its buffer, as ``error``, raised by the test call
-        that filled ``statuses``, reports (tag None where unknown). Empty when
+        that filled ``statuses``, reports. Empty when
         the error is something else. (A test of some requests fills statuses
         in completion order, not request order: the sender and the tag are
         what name the receive then.)"""
         return []
 
-    def tag(self, seq: int, msg: int) -> int | None:
-        """The tag of message ``msg`` of collective ``seq`` (None: no tags)."""
-        return None
+    def tag(self, seq: int, msg: int) -> int:
+        """The tag of message ``msg`` of collective ``seq`` (as :meth:`posters` take it)."""
+        return self.tag_base(seq) | msg
 
     # Exceptions the bare calls (posters, tester) may raise; error_of turns
     # one into the TransportError the rest of the runtime expects.

@@ -325,7 +325,7 @@ class MPITransport(Transport):
     received_bytes = staticmethod(MPI.Status.Get_count)  # the bare call: in bytes by default
 
     def overlong(self, error: TransportError,
-                 statuses: list[Any]) -> list[tuple[int, int, int | None]]:
+                 statuses: list[Any]) -> list[tuple[int, int, int]]:
         if error.code is None:
             return []
         kind = MPI.Get_error_class(error.code)
@@ -337,9 +337,6 @@ class MPITransport(Transport):
         # so a truncation seen here is this call's.
         return [(k, status.Get_source(), status.Get_tag()) for k, status in enumerate(statuses)
                 if MPI.Get_error_class(status.Get_error()) == MPI.ERR_TRUNCATE]
-
-    def tag(self, seq: int, msg: int) -> int | None:
-        return self._tag(seq, msg)
 
     def abandon(self, request: Any) -> None:
         # Receives only. Cancelling a send is deprecated (MPI-4) and MPICH 5.0
