@@ -192,14 +192,16 @@ class Program:
         self.bytes_received = sum(op.dst.count for op in schedule.ops
                                   if type(op) is Recv) * itemsize
         self.runs = 0
-        # The bytes each receive expects (0: not a receive, or the transport
-        # cannot tell sizes), and what the test calls fill: one status for a
+        # The bytes each receive expects (None: not a receive, or the
+        # transport cannot tell sizes; 0 is an empty chunk's receive, checked
+        # like any other), and what the test calls fill: one status for a
         # single request's test, a list for the test of all outstanding.
         statuses = transport.statuses(1)
         self.status = statuses[0] if statuses is not None else None
         self.statuses = transport.statuses(0)
-        self.expected = tuple(op.dst.count * itemsize if kind == RECV and statuses is not None
-                              else 0 for op, kind in zip(schedule.ops, kinds))
+        self.expected: tuple[int | None, ...] = tuple(
+            op.dst.count * itemsize if kind == RECV and statuses is not None else None
+            for op, kind in zip(schedule.ops, kinds))
         # The same schedule as straight Python (runtime/straight.py), set by the
         # engine where its order is proven deadlock-free; runs prefer it.
         self.line: StraightLine | None = None
@@ -365,7 +367,7 @@ class ProgramRun:
                 last = len(done) - 1
                 for j, k in enumerate(done):
                     i = owners[k]
-                    if expected[i]:
+                    if expected[i] is not None:
                         received = size(status if j == last else statuses[j])
                         if received != expected[i]:
                             raise MessageSizeError(program.schedule.collective, seq, peers[i],
@@ -392,11 +394,12 @@ class ProgramRun:
         """The receive that ``error`` reports truncated, if any: request
         ``k``'s own test (one status), or the test of all outstanding."""
         program, owners = self.program, self.owners
-        if program.expected[owners[k]] and transport.overlong(error, [program.status]):
+        if program.expected[owners[k]] is not None \
+                and transport.overlong(error, [program.status]):
             i = owners[k]
         else:
             receives = [(j, program.peers[i], transport.tag(seq, program.msgs[i]))
-                        for j, i in enumerate(owners) if program.expected[i]]
+                        for j, i in enumerate(owners) if program.expected[i] is not None]
             found = overlong_receive(transport, error, program.statuses or [], receives)
             if found is None:
                 return None
