@@ -390,6 +390,103 @@ def test_bucket_choice_is_checked_and_agreed(comm: Communicator) -> None:
     opt.close()
 
 
+def _averager_steps(comm: Communicator, method: str, buckets: str, framework: str,
+                    steps: int, **knobs: Any) -> tuple[list[np.ndarray], Averager]:
+    """An Averager over a float32 and a float64 tensor of ``framework``
+    (``numpy`` or ``torch``), each rank's gradients from its own seed: every
+    iteration's weights, then the finalized ones."""
+    rng = np.random.default_rng(RANK)
+    to = (lambda a: a) if framework == "numpy" else torch.from_numpy
+    w = to(np.full((3, 2), 0.5 + RANK, np.float32))
+    b = to(np.linspace(-1, 1, 5) * (RANK + 1))
+    gw, gb = to(np.zeros((3, 2), np.float32)), to(np.zeros(5))
+    avg = Averager(comm, [w, b], method, buckets=buckets, **knobs)
+    out = []
+    for _ in range(steps):
+        gw[...] = to((0.1 * np.asarray(w) + rng.normal(size=(3, 2))).astype(np.float32))
+        gb[...] = to(0.1 * np.asarray(b) + rng.normal(size=5))
+        avg.average([w, b], [gw, gb])
+        w -= 0.1 * gw
+        b -= 0.1 * gb
+        out.append(np.concatenate([np.asarray(w, np.float64).ravel(), np.asarray(b)]))
+    done = avg.finalize([w, b], [gw, gb])
+    if done.apply:
+        w -= 0.1 * gw
+        b -= 0.1 * gb
+    out.append(np.concatenate([np.asarray(w, np.float64).ravel(), np.asarray(b)]))
+    avg.close()
+    return out, avg
+
+
+def _same_on_every_rank_bytes(arr: np.ndarray) -> bool:
+    return len(set(WORLD.allgather(arr.tobytes()))) == 1
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("method,knobs", RESUMABLE[:2] + RESUMABLE[-1:],
+                         ids=["allreduce", "local_sgd", "wagma"])
+def test_averager_device_buckets_follow_the_host_buckets_trajectory(
+        comm: Communicator, method: str, knobs: dict[str, Any], framework: str) -> None:
+    """The Averager's device buckets (torch tensors the collectives take
+    through DLPack; on the CPU here, on CUDA in tests/gpu) give the host
+    buckets' trajectory bit for bit, for NumPy arrays and torch tensors."""
+    runs = []
+    for buckets in ("host", "device"):
+        out, avg = _averager_steps(comm, method, buckets, framework, 8, **knobs)
+        assert avg.buckets == buckets and avg.statistics()["buckets"] == buckets
+        assert all(isinstance(b, torch.Tensor) == (buckets == "device")
+                   for b in avg._model.buffers())
+        runs.append(out)
+    for t, (a, b) in enumerate(zip(*runs)):
+        assert np.array_equal(a, b), f"{method}: iteration {t} differs with device buckets"
+    assert _same_on_every_rank_bytes(runs[1][-1])  # finalize: one model everywhere
+
+
+def test_averager_device_buckets_return_torch_copies_and_write_in_place(
+        comm: Communicator) -> None:
+    """``copy=True`` and ``model()`` give fresh torch tensors (JAX and CuPy
+    import them through DLPack), never views of the bucket; in place, a
+    NumPy bfloat16 array and a read-only array are served like on host
+    buckets."""
+    w = np.full(4, RANK + 1.0, np.float32)
+    h = np.full(3, RANK + 1.0, ml_dtypes.bfloat16)
+    ro = np.full(2, 7.0, np.float32)
+    ro.flags.writeable = False
+    avg = Averager(comm, [w, h, ro], "allreduce", buckets="device", broadcast=False)
+    mean = (SIZE + 1) / 2
+    grads = [w.copy(), h.copy(), np.zeros(2, np.float32)]
+    out = avg.average([w, h, ro], grads, copy=True)
+    assert all(isinstance(g, torch.Tensor) for g in out.grads)
+    assert out.grads[0].tolist() == [mean] * 4 and out.grads[1].float().tolist() == [mean] * 3
+    out.grads[0].fill_(-1)  # a copy: the bucket keeps its value
+    assert avg._grads.flats["float32"][:4].tolist() == [mean] * 4
+    assert grads[0].tolist() == [RANK + 1.0] * 4  # inputs untouched
+    avg.average([w, h, ro], grads)  # in place, bfloat16 NumPy included
+    assert grads[0].tolist() == [mean] * 4
+    assert grads[1].astype(np.float32).tolist() == [mean] * 3
+    model = avg.model()
+    assert [m.dtype for m in model] == [torch.float32, torch.bfloat16, torch.float32]
+    assert model[2].tolist() == [7.0, 7.0]
+    avg.close()
+
+
+def test_averager_bucket_choice_is_checked_and_agreed(comm: Communicator) -> None:
+    x = np.ones(3, np.float32)
+    with pytest.raises(InvalidArgumentError, match="buckets"):
+        Averager(comm, [x], "allreduce", buckets="gpu")
+    with pytest.raises(InvalidArgumentError, match="sgp exchanges models through host"):
+        Averager(comm, [x], "sgp", buckets="device")
+    avg = Averager(comm, [x], "wagma")  # host tensors: host buckets, the NumPy fast path
+    assert avg.buckets == "host"
+    avg.close()
+    if SIZE > 1:  # rank 0 asks for host buckets, the others for device ones
+        with pytest.raises(InvalidArgumentError, match="ranks passed different values"):
+            Averager(comm, [x], "allreduce", buckets="host" if RANK == 0 else "device")
+    avg = Averager(comm, [x], "allreduce", buckets="device")  # still in step
+    assert avg.buckets == "device"
+    avg.close()
+
+
 def test_checkpoint_refuses_what_cannot_resume_exactly(comm: Communicator,
                                                        rank_dir: str) -> None:
     model, opt = _fresh(comm, "wagma", {"sync_every": 3}, 0)

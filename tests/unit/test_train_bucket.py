@@ -192,3 +192,55 @@ def test_device_staging_copies_through_torch_views() -> None:
         assert bool((src == 9).all())
     with pytest.raises(BufferError, match="C-contiguous"):
         DeviceView(torch.zeros(3, 2).t(), "params[1]", writable=False)
+
+
+class _Exporter:
+    """A DLPack exporter's device report alone: enough for common_device,
+    which reads nothing else."""
+
+    def __init__(self, kind: int, index: int) -> None:
+        self.device = (kind, index)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.device
+
+
+def test_common_device_names_the_one_device_or_none() -> None:
+    from wagma_comm.train.bucket import common_device
+
+    host = [np.zeros(2), torch.zeros(3), _Exporter(3, 0)]  # CUDA-pinned host counts as host
+    assert common_device(host) == ("cpu", 0)
+    assert common_device([_Exporter(2, 1), _Exporter(2, 1)]) == ("cuda", 1)
+    assert common_device([_Exporter(2, 0), _Exporter(2, 1)]) is None
+    assert common_device([np.zeros(2), _Exporter(2, 0)]) is None
+
+
+def test_device_bucket_keeps_torch_buffers_and_checks_like_the_host_one() -> None:
+    from wagma_comm.train.bucket import DeviceBucket
+
+    h = np.arange(3, dtype=ml_dtypes.bfloat16)
+    ro = np.arange(2, dtype=np.float32)
+    ro.flags.writeable = False
+    params = [torch.arange(6.0).reshape(2, 3), h, ro]
+    b = DeviceBucket(params, ["w", "h", "ro"])
+    assert FlatBucket.layout_of(params, ["w", "h", "ro"]) == b.specs
+    assert all(isinstance(f, torch.Tensor) for f in b.buffers())
+    assert b.device == torch.device("cpu")
+    b.pack(params)
+    assert b.flats["float32"].tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
+    b.pack([None, h, ro])  # a missing gradient packs as zeros
+    assert b.flats["float32"][:6].tolist() == [0] * 6
+    for f in b.buffers():
+        f.fill_(5)
+    out = [torch.zeros(2, 3), np.zeros(3, ml_dtypes.bfloat16), np.zeros(2, np.float32)]
+    b.unpack(out)
+    assert out[0].tolist() == [[5] * 3] * 2 and out[1].astype(np.float32).tolist() == [5] * 3
+    with pytest.raises(BufferError, match="read-only"):
+        b.unpack(params)
+    copies = b.copies()
+    copies[0].fill_(-1)  # fresh tensors, not views of the bucket
+    assert b.flats["float32"][0].item() == 5
+    with pytest.raises(InvalidArgumentError, match=r"params\[1\]"):
+        b.pack([params[0], np.zeros(3, np.float32), ro])  # bfloat16 was set up
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\]"):
+        b.pack([torch.zeros(3, 2), h, ro])

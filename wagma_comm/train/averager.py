@@ -13,6 +13,11 @@ tensors, whatever framework they come from (through DLPack).
 
 NumPy arrays and PyTorch CPU tensors are updated in place. Immutable arrays
 (JAX) are only read: pass ``copy=True`` and use the returned arrays.
+
+CUDA tensors (CuPy, PyTorch, JAX, ...) get their flat buckets on the GPU
+where every rank can (``buckets="auto"``): the collectives then run on GPU
+memory through NCCL, with no host copy (this needs torch for the device
+copies). Otherwise they are staged through host buckets.
 """
 
 from __future__ import annotations
@@ -20,12 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-
 from ..errors import BufferError, InvalidArgumentError
-from .bucket import FlatBucket
+from .bucket import DeviceBucket, FlatBucket, common_device
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .methods.base import check_int
+from .placement import agree_on_device, check_choice
 from .specs import check_consistent
 from .stats import WaitStats
 
@@ -37,7 +41,8 @@ class Averaged:
     """What :meth:`Averager.average` / :meth:`Averager.finalize` return.
 
     ``params``/``grads``: the tensors to use from now on (the caller's own
-    objects when updated in place, fresh NumPy arrays with ``copy=True``).
+    objects when updated in place; with ``copy=True`` fresh NumPy arrays, or
+    torch tensors on the device with device buckets).
     ``apply``: after :meth:`Averager.finalize` of a gradient method, whether
     ``grads`` hold a leftover averaged gradient the caller should apply.
     """
@@ -57,17 +62,34 @@ class Averager:
     written into ``params`` when they are writable, else read them back with
     :meth:`model`), and sets up the method. ``knobs`` go to
     :func:`~wagma_comm.train.make_method` (group_size, sync_every, ...).
+
+    ``buckets``: where the flat buckets live. ``"device"``: on the tensors'
+    own device, as torch tensors the collectives take directly (every
+    tensor on one device; every method but ``dpsgd`` and ``sgp``, whose
+    exchange is host-only). ``"host"``: NumPy buffers, device tensors staged
+    through them. ``"auto"`` (default): device buckets for CUDA tensors when
+    the method and every rank's NCCL allow, host buckets otherwise. Agreed
+    by every rank at creation; :attr:`buckets` says what was chosen.
     """
 
     def __init__(self, comm: Any, params: Sequence[Any], method: str | Method = "wagma", *,
                  names: Sequence[str | None] | None = None, broadcast: bool = True,
-                 first_iteration: int = 0, **knobs: Any) -> None:
+                 first_iteration: int = 0, buckets: str = "auto", **knobs: Any) -> None:
         self.method = make_method(method, **knobs)
         self.comm = comm
         self.iteration = check_int("first_iteration", first_iteration, 0)
-        self._model = FlatBucket(params, names, argument="params")
-        self._grads = FlatBucket(params, names, argument="grads")
-        check_consistent(comm, self._model.specs)
+        check_choice(buckets, self.method)
+        # Every tensor is checked (and the layout made) before any communication.
+        specs = FlatBucket.layout_of(params, names, argument="params")
+        device = common_device(params)
+        if buckets == "device" and device is None:
+            raise InvalidArgumentError("buckets", "device buckets need every tensor on one "
+                                       "device; these are on several (use 'host' or 'auto')")
+        self._on_device = agree_on_device(comm, buckets, device and device[0], self.method)
+        bucket = DeviceBucket if self._on_device else FlatBucket
+        self._model = bucket(params, names, argument="params")
+        self._grads = bucket(params, names, argument="grads")
+        check_consistent(comm, specs)
         self._model.pack(params)
         if broadcast:
             for b in self._model.buffers():
@@ -90,8 +112,14 @@ class Averager:
         """``"model"`` or ``"gradients"``: which list the method changes."""
         return self.method.averages
 
-    def model(self) -> list[np.ndarray]:
-        """Copies of the model as last packed (after construction: rank 0's)."""
+    @property
+    def buckets(self) -> str:
+        """Where the buckets live, as agreed at creation: ``"device"`` or ``"host"``."""
+        return "device" if self._on_device else "host"
+
+    def model(self) -> list[Any]:
+        """Copies of the model as last packed (after construction: rank 0's):
+        NumPy arrays, or torch tensors on the device with device buckets."""
         return self._model.copies()
 
     # -- one iteration --------------------------------------------------------------
@@ -171,5 +199,6 @@ class Averager:
         telemetry (partial collectives: see docs/partial.md)."""
         out = self.stats.as_dict()
         out["method"] = self.method.describe()
+        out["buckets"] = self.buckets
         out["collective"] = self.method.statistics()
         return out

@@ -7,11 +7,12 @@ falls back to wagma_comm's own DLPack intake for what NumPy cannot view
 (bfloat16), which also gives the error messages: the argument is named as
 ``params[3]``. Framework objects that require grad are detached first.
 
-Device tensors (CUDA, from any framework) are staged: PyTorch consumes them
-through ``torch.from_dlpack`` and copies them to and from the host bucket
-(the partial collectives take GPU buffers too, docs/gpu.md, but device
-buckets are not built yet). (Written for CUDA but not run on a GPU yet; on
-the CPU the same copies are tested.)
+Device tensors (CUDA, from any framework) are staged in a
+:class:`FlatBucket`: PyTorch consumes them through ``torch.from_dlpack`` and
+copies them to and from the host bucket. A :class:`DeviceBucket` keeps the
+flat buffers on the tensors' own device instead (torch tensors there), so the
+collectives run on GPU memory through NCCL with no host copy. (Both written
+for CUDA; on the CPU the same copies are tested, the GPU runs are pending.)
 
 The bucket owns its buffers; packing copies in, unpacking copies out. Copies
 (rather than re-pointing the tensors into the bucket) are deliberate: a
@@ -23,17 +24,18 @@ next to the message it saves.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
 from .. import dtypes
-from ..buffers import DL_CPU, DL_CUDA_HOST, as_buffer
+from ..buffers import DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, as_buffer
 from ..errors import BufferError, InvalidArgumentError, UnsupportedError
 from ..torch_views import torch_of
 from .specs import TensorSpec, bucket_sizes, check_names, layout
 
-__all__ = ["FlatBucket", "host_view"]
+__all__ = ["DeviceBucket", "FlatBucket", "host_view", "common_device"]
 
 
 def _exportable(obj: Any) -> Any:
@@ -80,6 +82,25 @@ def dtype_name(arr: np.ndarray) -> str:
     return row.name
 
 
+_DEVICE_KINDS = {DL_CPU: "cpu", DL_CUDA_HOST: "cpu", DL_CUDA: "cuda", DL_CUDA_MANAGED: "cuda"}
+
+
+def common_device(tensors: Sequence[Any]) -> tuple[str, int] | None:
+    """The device every tensor is on, as (kind, index): ``("cpu", 0)`` for
+    host memory (pinned included), ``("cuda", 1)``, ...; None when they are
+    spread over several. Objects that are no DLPack exporter count as host
+    memory (the host intake names what is wrong with them)."""
+    found = set()
+    for obj in tensors:
+        try:
+            kind, index = (int(x) for x in _exportable(obj).__dlpack_device__())
+        except Exception:  # noqa: BLE001 - not DLPack: the host path decides
+            kind, index = DL_CPU, 0
+        name = _DEVICE_KINDS.get(kind, f"dlpack-{kind}")
+        found.add((name, 0 if name == "cpu" else index))
+    return found.pop() if len(found) == 1 else None
+
+
 def _on_device(obj: Any) -> bool:
     """Whether a DLPack exporter lives outside host memory (CUDA, ROCm, ...)."""
     try:
@@ -96,8 +117,8 @@ class DeviceView:
         try:
             import torch
         except ImportError:
-            raise UnsupportedError(argument, "device tensors are staged through host memory "
-                                   "with PyTorch, which is not installed") from None
+            raise UnsupportedError(argument, "device tensors (and device buckets) go through "
+                                   "PyTorch (torch.from_dlpack), which is not installed") from None
         if writable and type(obj).__module__.split(".")[0] in ("jax", "jaxlib"):
             raise BufferError(argument, "JAX arrays are immutable; use the copying API: "
                               "Averager.average(..., copy=True)")
@@ -142,17 +163,50 @@ class FlatBucket:
 
     def __init__(self, tensors: Sequence[Any], names: Sequence[str | None] | None = None,
                  *, argument: str = "params") -> None:
-        tensors = self._check_list(tensors, argument)
-        names = check_names(names, len(tensors))
-        views = [tensor_view(t, f"{argument}[{i}]", writable=False)
-                 for i, t in enumerate(tensors)]
-        shapes = [self._shape(t, v) for t, v in zip(tensors, views)]
-        self.specs: tuple[TensorSpec, ...] = layout(
-            shapes, [_dtype_of(v) for v in views], names)
         self.argument = argument
-        self.flats: dict[str, np.ndarray] = {
-            dt: np.zeros(n, dtype=dtypes.BY_NAME[dt].numpy)
-            for dt, n in bucket_sizes(self.specs).items()}
+        self.specs, views = self._layout(tensors, names, argument)
+        self.flats: dict[str, Any] = self._allocate(bucket_sizes(self.specs), views)
+
+    @classmethod
+    def layout_of(cls, tensors: Sequence[Any], names: Sequence[str | None] | None = None,
+                  *, argument: str = "params") -> tuple[TensorSpec, ...]:
+        """The layout a bucket of ``tensors`` would have, every tensor checked
+        (errors name ``argument[i]``), without allocating the bucket."""
+        return cls._layout(tensors, names, argument)[0]
+
+    @classmethod
+    def _layout(cls, tensors: Any, names: Sequence[str | None] | None,
+                argument: str) -> tuple[tuple[TensorSpec, ...], list[Any]]:
+        tensors = cls._check_list(tensors, argument)
+        names = check_names(names, len(tensors))
+        views = [cls._intake(t, f"{argument}[{i}]", writable=False)
+                 for i, t in enumerate(tensors)]
+        shapes = [cls._shape(t, v) for t, v in zip(tensors, views)]
+        return layout(shapes, [_dtype_of(v) for v in views], names), views
+
+    # -- what a subclass keeps elsewhere (DeviceBucket: torch tensors) ----------
+    _intake = staticmethod(tensor_view)
+
+    def _allocate(self, sizes: dict[str, int], views: list[Any]) -> dict[str, Any]:
+        return {dt: np.zeros(n, dtype=dtypes.BY_NAME[dt].numpy) for dt, n in sizes.items()}
+
+    @staticmethod
+    def _zero(slot: np.ndarray) -> None:
+        slot.fill(0)
+
+    @staticmethod
+    def _copy_in(slot: np.ndarray, view: np.ndarray | DeviceView) -> None:
+        if isinstance(view, DeviceView):
+            view.read_into(slot)
+        else:
+            np.copyto(slot, view)
+
+    @staticmethod
+    def _copy_out(view: np.ndarray | DeviceView, slot: np.ndarray) -> None:
+        if isinstance(view, DeviceView):
+            view.write_from(slot)
+        else:
+            np.copyto(view, slot)
 
     # -- layout ---------------------------------------------------------------
     @staticmethod
@@ -174,11 +228,11 @@ class FlatBucket:
         except TypeError:
             return (view.size,)
 
-    def buffers(self) -> list[np.ndarray]:
+    def buffers(self) -> list[Any]:
         """The flat buffers, one per dtype, in the order of first appearance."""
         return list(self.flats.values())
 
-    def views(self) -> list[np.ndarray]:
+    def views(self) -> list[Any]:
         """One view per tensor into the flat buffers, shaped like the tensor."""
         return [self.flats[s.dtype][s.offset:s.offset + s.count].reshape(s.shape)
                 for s in self.specs]
@@ -199,7 +253,7 @@ class FlatBucket:
 
     def _view(self, spec: TensorSpec, tensor: Any, writable: bool) -> np.ndarray | DeviceView:
         arg = f"{self.argument}[{spec.index}]"
-        v = tensor_view(tensor, arg, writable=writable)
+        v = self._intake(tensor, arg, writable=writable)
         shape = self._shape(tensor, v)
         if shape != spec.shape or _dtype_of(v) != spec.dtype:
             raise InvalidArgumentError(
@@ -207,7 +261,7 @@ class FlatBucket:
                 f"shape {shape} {_dtype_of(v)}")
         return v
 
-    def _slot(self, spec: TensorSpec) -> np.ndarray:
+    def _slot(self, spec: TensorSpec) -> Any:
         return self.flats[spec.dtype][spec.offset:spec.offset + spec.count]
 
     def pack(self, tensors: Sequence[Any]) -> None:
@@ -218,18 +272,74 @@ class FlatBucket:
                  for s, t in zip(self.specs, tensors)]  # validate all before copying
         for spec, v in zip(self.specs, views):
             if v is None:
-                self._slot(spec).fill(0)
-            elif isinstance(v, DeviceView):
-                v.read_into(self._slot(spec))
+                self._zero(self._slot(spec))
             else:
-                np.copyto(self._slot(spec), v)
+                self._copy_in(self._slot(spec), v)
 
     def unpack(self, tensors: Sequence[Any]) -> None:
         """Copy the bucket into ``tensors``, in place (they must be writable)."""
         tensors = self._check_count(tensors)
         views = [self._view(s, t, True) for s, t in zip(self.specs, tensors)]
         for spec, v in zip(self.specs, views):
-            if isinstance(v, DeviceView):
-                v.write_from(self._slot(spec))
-            else:
-                np.copyto(v, self._slot(spec))
+            self._copy_out(v, self._slot(spec))
+
+
+class DeviceBucket(FlatBucket):
+    """A :class:`FlatBucket` whose flat buffers are torch tensors on the
+    tensors' own device (every tensor must be on that one device). Packing
+    and unpacking are copies on the device, and the collectives take the flat
+    tensors themselves: for CUDA, NCCL and our kernels with no host copy,
+    ordered after the packing copies by the stream contract (docs/gpu.md).
+    Host tensors (on the CPU, where the tests run this code) are seen as CPU
+    torch tensors over their memory. :meth:`copies` returns torch tensors."""
+
+    @staticmethod
+    def _intake(obj: Any, argument: str, *, writable: bool) -> DeviceView:  # type: ignore[override]
+        view = tensor_view(obj, argument, writable=writable)
+        if isinstance(view, DeviceView):
+            return view
+        with warnings.catch_warnings():  # a read-only array is only read: host_view said so
+            warnings.simplefilter("ignore", UserWarning)
+            return DeviceView(torch_of(view), argument, writable=writable)
+
+    def _allocate(self, sizes: dict[str, int], views: list[Any]) -> dict[str, Any]:
+        import torch
+
+        from .pytorch import torch_dtype
+
+        self.device = views[0].tensor.device
+        for i, v in enumerate(views):
+            if v.tensor.device != self.device:
+                raise InvalidArgumentError(
+                    f"{self.argument}[{i}]", f"is on {v.tensor.device} but "
+                    f"{self.argument}[0] is on {self.device}; device buckets need one device")
+        return {dt: torch.zeros(n, dtype=torch_dtype(dt), device=self.device)
+                for dt, n in sizes.items()}
+
+    @staticmethod
+    def _zero(slot: Any) -> None:
+        slot.zero_()
+
+    @staticmethod
+    def _copy_in(slot: Any, view: Any) -> None:
+        slot.copy_(view.tensor)
+
+    @staticmethod
+    def _copy_out(view: Any, slot: Any) -> None:
+        view.tensor.copy_(slot)
+
+    def unpack(self, tensors: Sequence[Any]) -> None:
+        """As :meth:`FlatBucket.unpack`. The copies run on torch's current
+        stream, which a CuPy or JAX kernel on its own stream would not wait
+        for: with any target not a torch tensor, wait for them here."""
+        super().unpack(tensors)
+        if self.device.type == "cuda":
+            import torch
+
+            if any(not isinstance(t, torch.Tensor) for t in tensors):
+                torch.cuda.current_stream(self.device).synchronize()
+
+    def copies(self) -> list[Any]:
+        """Fresh torch tensors on the bucket's device (any framework imports
+        them through DLPack, e.g. ``jnp.from_dlpack``)."""
+        return [v.clone() for v in self.views()]

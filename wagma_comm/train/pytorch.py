@@ -38,11 +38,12 @@ from .. import dtypes
 from ..errors import InvalidArgumentError
 from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
+from .placement import BUCKET_MEMORY, agree_on_device
 from .specs import TensorSpec, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
 
 __all__ = ["BUCKET_MEMORY", "DistributedOptimizer", "TorchBucket", "device_buckets",
-           "torch_dtype_name"]
+           "torch_dtype", "torch_dtype_name"]
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
                  torch.float32: "float32", torch.float64: "float64",
@@ -57,6 +58,11 @@ def torch_dtype_name(dtype: torch.dtype, argument: str) -> str:
         raise InvalidArgumentError(argument, f"unsupported dtype {dtype}; expected one of "
                                    f"{sorted(_TORCH_DTYPES.values())}")
     return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wagma dtype name (one the training layer takes)."""
+    return _BY_NAME[name]
 
 
 def _specs(tensors: Sequence[torch.Tensor], names: Sequence[str | None],
@@ -143,37 +149,11 @@ class TorchBucket:
             p.grad.copy_(view)
 
 
-BUCKET_MEMORY = ("auto", "device", "host")
-
-
 def device_buckets(comm: Any, choice: str, device: torch.device, method: Method) -> bool:
     """Collective: whether the buckets live on the parameters' device (see
-    :class:`DistributedOptimizer`, ``buckets``). Every rank must take the same
-    answer -- a GPU collective on some ranks and a host one on others would
-    only end at the deadline -- so it is agreed in one small allreduce:
-    ``"auto"`` takes device buckets only where every rank can, and ranks
-    that asked for different things raise on every rank."""
-    if choice not in BUCKET_MEMORY:
-        raise InvalidArgumentError("buckets", f"expected one of {list(BUCKET_MEMORY)}, "
-                                   f"got {choice!r}")
-    if choice == "device" and not method.device_buffers:
-        raise InvalidArgumentError("buckets", f"{method.name} exchanges models through host "
-                                   "memory (mpi4py); use buckets='host' or 'auto'")
-    can = choice == "device" or (choice == "auto" and method.device_buffers
-                                 and device.type == "cuda" and _nccl_usable())
-    code = BUCKET_MEMORY.index(choice)
-    vote = np.array([code, -code, -int(can)], dtype=np.int64)
-    comm.allreduce(vote, "max")
-    if vote[0] != -vote[1]:
-        raise InvalidArgumentError("buckets", "ranks passed different values (this rank "
-                                   f"{choice!r}); pass the same on every rank")
-    return int(vote[2]) == -1  # max(-can) == -min(can): every rank can
-
-
-def _nccl_usable() -> bool:
-    from ..transport.nccl import unavailable_reason
-
-    return unavailable_reason() is None
+    :class:`DistributedOptimizer`, ``buckets``), agreed by every rank
+    (:func:`~wagma_comm.train.placement.agree_on_device`)."""
+    return agree_on_device(comm, choice, device.type, method)
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -164,3 +164,60 @@ def test_demo_trains_on_the_gpu(comm):
                            "dpsgd": "host"}
         for r in result["rows"]:
             assert 0.3 < r["final_accuracy"] <= 1.0, r
+
+
+def _averager_steps(comm, method, buckets, library, steps, **knobs):
+    """The framework-agnostic Averager over a float32 and a float64 CUDA
+    tensor of ``library`` (torch or cupy), updated in place: every
+    iteration's weights on the host, then the finalized ones."""
+    from wagma_comm.train import Averager
+
+    if library == "cupy":
+        cp = pytest.importorskip("cupy")
+        to, host = cp.asarray, cp.asnumpy
+    else:
+        to, host = (lambda a: torch.from_numpy(a).to(_device())), (lambda a: a.cpu().numpy())
+    rng = np.random.default_rng(RANK)
+    w, b = to(np.full((3, 2), 0.5 + RANK, np.float32)), to(np.linspace(-1, 1, 5) * (RANK + 1))
+    gw, gb = to(np.zeros((3, 2), np.float32)), to(np.zeros(5))
+    avg = Averager(comm, [w, b], method, buckets=buckets, **knobs)
+    out = []
+    for _ in range(steps):
+        gw[...] = to((0.1 * host(w) + rng.normal(size=(3, 2))).astype(np.float32))
+        gb[...] = to(0.1 * host(b) + rng.normal(size=5))
+        avg.average([w, b], [gw, gb])
+        w -= 0.1 * gw  # on the library's own stream: no synchronize in between
+        b -= 0.1 * gb
+        out.append(np.concatenate([host(w).astype(np.float64).ravel(), host(b)]))
+    avg.finalize([w, b], [gw, gb])
+    out.append(np.concatenate([host(w).astype(np.float64).ravel(), host(b)]))
+    avg.close()
+    return out, avg.buckets
+
+
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+@pytest.mark.parametrize("method,knobs", DETERMINISTIC, ids=[m for m, _ in DETERMINISTIC])
+def test_averager_keeps_cuda_buckets_that_follow_the_host_ones(comm, method, knobs, library):
+    """Averager on CUDA tensors of torch and of CuPy: ``auto`` puts the
+    buckets on the GPU (NCCL, no host copy) and follows the host-staged
+    trajectory up to NCCL's summation order."""
+    device, where = _averager_steps(comm, method, "auto", library, 9, **knobs)
+    assert where == "device"
+    host, where = _averager_steps(comm, method, "host", library, 9, **knobs)
+    assert where == "host"
+    for t, (a, b) in enumerate(zip(device, host)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"{method} ({library}): iteration {t}")
+    assert _same_on_every_rank(device[-1])  # finalize: one model
+
+
+def test_averager_device_buckets_need_one_device(comm):
+    from wagma_comm import InvalidArgumentError
+    from wagma_comm.train import Averager
+
+    mixed = [torch.zeros(3, device=_device()), torch.zeros(2)]
+    with pytest.raises(InvalidArgumentError, match="one device"):
+        Averager(comm, mixed, "allreduce", buckets="device")
+    avg = Averager(comm, mixed, "allreduce")  # auto: staged through the host
+    assert avg.buckets == "host"
+    avg.close()

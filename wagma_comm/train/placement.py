@@ -1,0 +1,59 @@
+"""Where a training layer's flat buckets live, agreed by every rank.
+
+Both :class:`~wagma_comm.train.Averager` and
+:class:`~wagma_comm.train.DistributedOptimizer` take ``buckets="auto" |
+"device" | "host"``. The answer must be the same on every rank: a GPU
+collective on some ranks and a host one on others would only end at the
+deadline. This module needs no torch, so NumPy and JAX users of the Averager
+take part in the vote without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .methods import Method
+
+__all__ = ["BUCKET_MEMORY", "agree_on_device", "nccl_usable"]
+
+BUCKET_MEMORY = ("auto", "device", "host")
+
+
+def nccl_usable() -> bool:
+    from ..transport.nccl import unavailable_reason
+
+    return unavailable_reason() is None
+
+
+def check_choice(choice: Any, method: Method) -> None:
+    """The local checks of ``buckets``, raised before any communication."""
+    if not isinstance(choice, str) or choice not in BUCKET_MEMORY:
+        raise InvalidArgumentError("buckets", f"expected one of {list(BUCKET_MEMORY)}, "
+                                   f"got {choice!r}")
+    if choice == "device" and not method.device_buffers:
+        raise InvalidArgumentError("buckets", f"{method.name} exchanges models through host "
+                                   "memory (mpi4py); use buckets='host' or 'auto'")
+
+
+def agree_on_device(comm: Any, choice: str, device_type: str | None, method: Method) -> bool:
+    """Collective: whether the buckets live on the tensors' device.
+
+    ``device_type`` is the tensors' common device kind (``"cuda"``,
+    ``"cpu"``, ...; None when they are spread over several). ``"auto"``
+    takes device buckets only for CUDA tensors, a method that takes device
+    buffers and a usable NCCL, and only where every rank can; ranks that
+    asked for different things raise on every rank, in one small allreduce.
+    """
+    check_choice(choice, method)
+    can = choice == "device" or (choice == "auto" and method.device_buffers
+                                 and device_type == "cuda" and nccl_usable())
+    code = BUCKET_MEMORY.index(choice)
+    vote = np.array([code, -code, -int(can)], dtype=np.int64)
+    comm.allreduce(vote, "max")
+    if vote[0] != -vote[1]:
+        raise InvalidArgumentError("buckets", "ranks passed different values (this rank "
+                                   f"{choice!r}); pass the same on every rank")
+    return int(vote[2]) == -1  # max(-can) == -min(can): every rank can
