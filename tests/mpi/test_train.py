@@ -524,6 +524,162 @@ def test_gradient_accumulation_with_overlap_is_refused(comm: Communicator) -> No
     opt.close()
 
 
+# -- torch semantics the wrapper keeps (found in session 41's review) ------------------
+
+
+def test_frozen_parameters_keep_no_gradient_and_do_not_move(comm: Communicator) -> None:
+    """A zero gradient would let weight decay and momentum move a frozen
+    parameter; plain torch skips a parameter whose ``.grad`` is None."""
+    model = torch.nn.Linear(3, 1)
+    model.bias.requires_grad_(False)
+    before = model.bias.detach().clone()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                               weight_decay=0.1), comm, "allreduce",
+                               model=model)
+    before = model.bias.detach().clone()  # rank 0's, after the broadcast
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    assert model.bias.grad is None
+    assert torch.equal(model.bias.detach(), before)
+    opt.close()
+
+
+def test_changing_gradients_after_backward_needs_synchronize(comm: Communicator) -> None:
+    """Averaging starts at the last gradient hook (overlap), so clipping after
+    backward would be undone by step(): it raises, naming the way out, and
+    ``synchronize()`` applies the average first so the clipping holds."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                               "allreduce", model=model)
+    x = torch.full((2, 4), float(RANK + 1))
+
+    def backward() -> None:
+        opt.zero_grad()
+        (100 * model(x)).sum().backward()
+
+    backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(InvalidArgumentError, match="synchronize"):
+        opt.step()
+    assert opt.iteration == 1  # the round ran on every rank: counted
+    backward()
+    local = torch.cat([p.grad.flatten() for p in model.parameters()])
+    info = opt.synchronize()
+    assert opt.synchronize() is info  # idempotent until the step
+    averaged = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert _same_on_every_rank_bytes(averaged.numpy())
+    expected = _gather_rows(comm, local.numpy().astype(np.float64)).mean(0)
+    np.testing.assert_allclose(averaged.numpy(), expected, rtol=1e-5)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    opt.step()
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert float((weights - after).norm()) == pytest.approx(0.1, rel=1e-4)  # lr * clipped norm
+    assert opt.iteration == 2
+    opt.close()
+
+
+def test_a_parameter_unfrozen_after_wrapping_gets_its_averaged_gradient(
+        comm: Communicator) -> None:
+    model = _mlp(1)
+    model[0].weight.requires_grad_(False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), comm,
+                               "allreduce", model=model)
+    model[0].weight.requires_grad_(True)
+    x = torch.full((2, 4), float(RANK + 1))
+    for _ in range(2):  # the first step hooks it; both must average it
+        opt.zero_grad()
+        model(x).sum().backward()
+        local = model[0].weight.grad.clone()
+        opt.step()
+        expected = _gather_rows(comm, local.flatten().numpy().astype(np.float64)).mean(0)
+        assert float(local.abs().sum()) > 0
+        np.testing.assert_allclose(model[0].weight.grad.flatten().numpy(), expected, rtol=1e-5)
+    opt.close()
+
+
+def test_finalize_mid_iteration_keeps_sync_rounds_on_their_iterations(
+        comm: Communicator) -> None:
+    """A drained iteration (zero_grad() then finalize(), as before an
+    evaluation) used its round: it counts, so WAGMA's sync rounds stay on
+    the iterations ALGORITHMS.md puts them (every sync_every-th)."""
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), comm, "wagma",
+                               model=model, sync_every=3)
+    synced = []
+
+    def one() -> None:
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        info = opt.last_info
+        assert info.rounds[0].iteration == info.iteration  # the collective agrees
+        synced.append((info.iteration, info.synchronized))
+
+    for _ in range(3):
+        one()
+    opt.zero_grad()  # starts iteration 3's model average
+    opt.finalize()  # drains it
+    assert opt.iteration == 4
+    for _ in range(5):
+        one()
+    opt.close()
+    assert [t for t, s in synced if s] == [2, 5, 8]
+
+
+def test_a_dtype_change_after_wrapping_is_named(comm: Communicator) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                               "local_sgd", model=model, sync_every=1)
+    model.double()  # float64 weights would be cast into the float32 bucket
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\].*float64"):
+        opt.zero_grad()  # a model method packs here, before communicating
+        opt.step()
+    opt.close()
+
+
+def test_parameters_outside_the_optimizer_start_equal(comm: Communicator) -> None:
+    torch.manual_seed(RANK)  # different weights on every rank
+    model = _mlp(1)
+    opt = DistributedOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), comm,
+                               "allreduce", model=model)  # the first layer is not optimized
+    assert _same_on_every_rank_bytes(model[0].weight.detach().numpy())
+    opt.close()
+
+
+def test_ranks_running_different_methods_are_named(comm: Communicator) -> None:
+    if SIZE == 1:
+        pytest.skip("a disagreement needs two ranks")
+    x = np.ones(3, np.float32)
+    method, knobs = ("allreduce", {}) if RANK == 0 else ("local_sgd", {"sync_every": 1})
+    with pytest.raises(InvalidArgumentError, match=r"different methods.*\[0\]"
+                       if SIZE > 2 else "different methods"):
+        Averager(comm, [x], method, **knobs)
+    other = 2 if RANK == LAST else 4  # the same method, another knob
+    with pytest.raises(InvalidArgumentError, match="local_sgd"):
+        Averager(comm, [x], "local_sgd", sync_every=other)
+    Averager(comm, [x], "allreduce").close()  # still in step
+
+
+def test_averager_hands_out_the_average_of_a_missing_gradient(comm: Communicator) -> None:
+    """A gradient that was never computed (None) contributes zeros; its
+    average comes back as a fresh array instead of a late BufferError."""
+    w = [np.ones(2, np.float32), np.ones(3, np.float32)]
+    avg = Averager(comm, w, "allreduce")
+    grads = [np.full(2, RANK + 1.0, np.float32), None if RANK == 0 else np.ones(3, np.float32)]
+    out = avg.average(w, grads)
+    assert out.grads[0] is grads[0] and grads[0].tolist() == [(SIZE + 1) / 2] * 2
+    np.testing.assert_allclose(out.grads[1], [(SIZE - 1) / SIZE] * 3, rtol=1e-6)
+    avg.close()
+    avg = Averager(comm, w, "local_sgd")
+    with pytest.raises(InvalidArgumentError, match=r"params\[1\]"):
+        avg.average([w[0], None])  # before any communication
+    avg.close()
+
+
 # -- examples and the demo ------------------------------------------------------------
 
 

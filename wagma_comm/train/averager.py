@@ -125,7 +125,7 @@ class Averager:
     # -- one iteration --------------------------------------------------------------
     def _target(self, params: Sequence[Any], grads: Sequence[Any] | None) -> Sequence[Any]:
         if self.method.averages == MODEL:
-            return params
+            return self._whole_model(params)
         if grads is None:
             raise InvalidArgumentError("grads", f"{self.method.name} averages gradients; "
                                        "pass the gradients")
@@ -135,8 +135,9 @@ class Averager:
         """Begin this iteration's averaging (packs what the method averages);
         the inputs are read now and may change before :meth:`finish`."""
         t = self.iteration
+        target = self._target(params, grads)  # checked every iteration, alike
         if self.method.communicates(t):
-            self._work.pack(self._target(params, grads))
+            self._work.pack(target)
         self.method.start(t, self._work.buffers())
 
     def finish(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
@@ -154,6 +155,17 @@ class Averager:
         self.start(params, grads)
         return self.finish(params, grads, copy=copy)
 
+    @staticmethod
+    def _whole_model(params: Sequence[Any]) -> Sequence[Any]:
+        """A model method averages every tensor: a ``None`` is refused here,
+        before any communication (it would be averaged as zeros)."""
+        if isinstance(params, (list, tuple)):
+            for i, p in enumerate(params):
+                if p is None:
+                    raise InvalidArgumentError(f"params[{i}]", "is None; a model method "
+                                               "averages every tensor of the model")
+        return params
+
     def _deliver(self, info: AveragingInfo | None, changed: bool, params: Sequence[Any],
                  grads: Sequence[Any] | None, copy: bool, apply: bool = False) -> Averaged:
         params = list(params)
@@ -164,7 +176,12 @@ class Averager:
                 out = self._work.copies()
                 params, grads = (out, grads) if model else (params, out)
             else:
-                self._work.unpack(params if model else grads)  # type: ignore[arg-type]
+                target = params if model else grads
+                assert target is not None
+                self._work.unpack(target)
+                if any(t is None for t in target):  # a gradient never computed:
+                    fresh = self._work.copies()     # its average comes back new
+                    target[:] = [f if t is None else t for t, f in zip(target, fresh)]
         return Averaged(info, params, grads, apply)
 
     # -- end ------------------------------------------------------------------------
@@ -174,7 +191,7 @@ class Averager:
         becomes the global mean (bitwise identical). Gradient methods: what
         missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
         if self.method.averages == MODEL:
-            self._work.pack(params)
+            self._work.pack(self._whole_model(params))
             self.method.finalize(self._work.buffers())
             return self._deliver(None, True, params, grads, copy)
         if grads is None:

@@ -277,11 +277,14 @@ class FlatBucket:
                 self._copy_in(self._slot(spec), v)
 
     def unpack(self, tensors: Sequence[Any]) -> None:
-        """Copy the bucket into ``tensors``, in place (they must be writable)."""
+        """Copy the bucket into ``tensors``, in place (they must be writable);
+        ``None`` entries are skipped (:class:`Averager` hands out copies)."""
         tensors = self._check_count(tensors)
-        views = [self._view(s, t, True) for s, t in zip(self.specs, tensors)]
+        views = [None if t is None else self._view(s, t, True)
+                 for s, t in zip(self.specs, tensors)]  # validate all before copying
         for spec, v in zip(self.specs, views):
-            self._copy_out(v, self._slot(spec))
+            if v is not None:
+                self._copy_out(v, self._slot(spec))
 
 
 class DeviceBucket(FlatBucket):

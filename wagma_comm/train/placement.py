@@ -10,12 +10,14 @@ take part in the vote without it.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
 from .methods import Method
+from .specs import _allgather_ints, _minority
 
 __all__ = ["BUCKET_MEMORY", "agree_on_device", "nccl_usable"]
 
@@ -39,20 +41,32 @@ def check_choice(choice: Any, method: Method) -> None:
 
 
 def agree_on_device(comm: Any, choice: str, device_type: str | None, method: Method) -> bool:
-    """Collective: whether the buckets live on the tensors' device.
+    """Collective: whether the buckets live on the tensors' device, and a
+    check that every rank runs the same method with the same knobs.
 
     ``device_type`` is the tensors' common device kind (``"cuda"``,
     ``"cpu"``, ...; None when they are spread over several). ``"auto"``
     takes device buckets only for CUDA tensors, a method that takes device
-    buffers and a usable NCCL, and only where every rank can; ranks that
-    asked for different things raise on every rank, in one small allreduce.
-    """
+    buffers and a usable NCCL, and only where every rank can. Ranks that
+    asked for different buckets, or run different methods (as
+    ``method.describe()`` shows them: name and knobs), raise on every rank:
+    a blocking method would otherwise pair one rank's gradient average with
+    another's model average. One small allreduce (a second to name the ranks
+    that differ)."""
     check_choice(choice, method)
     can = choice == "device" or (choice == "auto" and method.device_buffers
                                  and device_type == "cuda" and nccl_usable())
     code = BUCKET_MEMORY.index(choice)
-    vote = np.array([code, -code, -int(can)], dtype=np.int64)
+    described = method.describe()
+    mark = zlib.crc32(described.encode())
+    vote = np.array([code, -code, -int(can), mark, -mark], dtype=np.int64)
     comm.allreduce(vote, "max")
+    if vote[3] != -vote[4]:
+        marks = [int(m) for m in _allgather_ints(comm, [mark], 1)[:, 0]]
+        _, odd = _minority(marks)
+        raise InvalidArgumentError("method", f"the ranks set up different methods or knobs: "
+                                   f"this rank runs {described}; ranks that differ from the "
+                                   f"majority: {odd or list(range(comm.size))}")
     if vote[0] != -vote[1]:
         raise InvalidArgumentError("buckets", "ranks passed different values (this rank "
                                    f"{choice!r}); pass the same on every rank")

@@ -112,16 +112,24 @@ class TorchBucket:
             return list(self._flat.values())
         return list(self._np.values())
 
+    def _check(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Each tensor still has its set-up shape, dtype and device: ``copy_``
+        would broadcast a shape, cast a dtype (``model.double()``) and move
+        across devices without a word."""
+        for spec, view, t in zip(self.specs, self._views, tensors):
+            if t is not None and (t.shape != view.shape or t.dtype != view.dtype
+                                  or t.device != self.device):
+                raise InvalidArgumentError(
+                    f"params[{spec.index}]", f"{spec.label()} is now {tuple(t.shape)} "
+                    f"{t.dtype} on {t.device}; set-up saw {spec.describe()} on {self.device}")
+
     @torch.no_grad()
     def pack(self, tensors: Sequence[torch.Tensor | None]) -> None:
         """Copy tensors in (``None`` -> zeros), then to the host mirror."""
-        for spec, view, t in zip(self.specs, self._views, tensors):
+        self._check(tensors)
+        for view, t in zip(self._views, tensors):
             if t is None:
                 view.zero_()
-            elif t.shape != view.shape:  # copy_ would broadcast it silently
-                raise InvalidArgumentError(
-                    "params", f"{spec.label()} now has shape {tuple(t.shape)}; set-up "
-                    f"saw {spec.describe()}")
             else:
                 view.copy_(t)
         for dt, host in self._host.items():
@@ -135,15 +143,22 @@ class TorchBucket:
     @torch.no_grad()
     def unpack(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the result into ``tensors`` in place."""
+        self._check(tensors)
         self._from_host()
         for view, t in zip(self._views, tensors):
             t.copy_(view)
 
     @torch.no_grad()
     def unpack_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Write the result as each parameter's ``.grad`` (created if missing)."""
+        """Write the result as each trainable parameter's ``.grad`` (created if
+        missing). Frozen parameters (``requires_grad=False``) keep theirs, as
+        in plain torch: a zero gradient would let weight decay and momentum
+        move them."""
+        self._check([p.grad for p in params])
         self._from_host()
         for view, p in zip(self._views, params):
+            if not p.requires_grad:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(view)
@@ -226,22 +241,31 @@ class DistributedOptimizer:
         self._started = False
         self._ready: set[int] = set()
         self._needs_grad = sum(p.requires_grad for p in self.params)
+        self._synced: AveragingInfo | None = None  # synchronize() ran this iteration
+        self._packed_versions: list[tuple[int, int] | None] = []
         self._closed = False
         self._overlap = overlap
         self._setup()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in self.params if p.requires_grad] if overlap else []
+        self._hooks: dict[int, Any] = {}
+        self._hook_trainable()
 
     # -- set-up -----------------------------------------------------------------------
     def _broadcast(self, model: torch.nn.Module | None) -> None:
+        """Rank 0's weights everywhere: the optimizer's parameters, and with
+        ``model`` its buffers and the parameters the optimizer does not hold
+        (a frozen backbone), which nothing would ever average."""
         self._weights.pack(self.params)
         for b in self._weights.buffers():
             self.comm.broadcast(b, root=0)
         self._weights.unpack(self.params)
-        buffers = [b for b in model.buffers()] if model is not None else []
+        if model is None:
+            return
+        own = {id(p) for p in self.params}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
+        named += list(model.named_buffers())
+        buffers = [t for _, t in named]
         if buffers:
-            names = {id(b): n for n, b in model.named_buffers()}  # type: ignore[union-attr]
-            specs = _specs(buffers, [names.get(id(b)) for b in buffers], "buffers")
+            specs = _specs(buffers, [n for n, _ in named], "buffers")
             check_consistent(self.comm, specs)
             bucket = TorchBucket(specs, buffers[0].device, self._on_device)
             bucket.pack(buffers)
@@ -256,6 +280,18 @@ class DistributedOptimizer:
         self.method.setup(self.comm, work.buffers(), self.iteration)
 
     # -- per iteration -------------------------------------------------------------------
+    def _hook_trainable(self) -> None:
+        """With ``overlap``: a gradient hook on every trainable parameter that
+        has none yet. A parameter unfrozen after wrapping gets its hook here
+        (at the next zero_grad() or step()); until then averaging starts in
+        step(), once its gradient exists, since the count of gradients to wait
+        for includes it."""
+        if not self._overlap:
+            return
+        for p in self.params:
+            if p.requires_grad and id(p) not in self._hooks:
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+
     def _start(self) -> None:
         """(under _lock) Begin this iteration: pack what the method averages."""
         t = self.iteration
@@ -263,10 +299,24 @@ class DistributedOptimizer:
             bucket, tensors = self._weights, list(self.params)
         else:
             bucket, tensors = self._grads, [p.grad for p in self.params]
+            # What step() compares to see the gradients changed meanwhile.
+            self._packed_versions = [None if g is None else (id(g), g._version)
+                                     for g in tensors]
         if self.method.communicates(t):
             bucket.pack(tensors)
         self.method.start(t, bucket.buffers())
         self._started = True
+
+    def _changed_grad(self) -> int | None:
+        """The first parameter whose gradient changed since it was packed
+        (clipping, unscaling or scaling it after backward), or None."""
+        if self.method.averages == MODEL or not self._packed_versions:
+            return None
+        for i, (p, packed) in enumerate(zip(self.params, self._packed_versions)):
+            g = p.grad
+            if (None if g is None else (id(g), g._version)) != packed:
+                return i
+        return None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Backward hook: a parameter's gradient is complete."""
@@ -276,10 +326,13 @@ class DistributedOptimizer:
             key = id(p)
             if self._started and self.method.averages != MODEL and key in self._ready:
                 i = next(k for k, q in enumerate(self.params) if q is p)
+                self._packed_versions = []  # reported here: step() need not again
                 raise InvalidArgumentError(
                     "overlap", f"{self.specs[i].label()} received a second gradient after "
                     "its averaging started (gradient accumulation over several backward "
                     "passes needs overlap=False)")
+            if not self._ready:  # the first gradient of this iteration
+                self._needs_grad = sum(q.requires_grad for q in self.params)
             self._ready.add(key)
             if self._started:
                 return
@@ -291,6 +344,7 @@ class DistributedOptimizer:
         of the coming iteration starts here (the weights are final until
         ``step()``), so it overlaps the forward and the backward pass."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._hook_trainable()
         if self._overlap and self.method.averages == MODEL:
             with self._lock:
                 if not self._started and not self._closed:
@@ -299,12 +353,55 @@ class DistributedOptimizer:
     def _drain(self) -> None:
         """Finish an iteration that was started (``zero_grad``) but will not be
         stepped -- before finalize, close or a restart -- discarding its result:
-        every rank started it, so every rank drains it."""
+        every rank started it, so every rank drains it. Its round is used up,
+        so it counts as an iteration: the method's rounds (WAGMA's sync
+        rounds among them) stay on the iterations they belong to."""
         with self._lock:
             started, self._started = self._started, False
+            synced, self._synced = self._synced, None
             self._ready.clear()
-        if started:
+            if started:
+                self.iteration += 1
+        if started and synced is None:
             self.method.finish()
+
+    def _end_iteration(self) -> None:
+        with self._lock:
+            self._started = False
+            self._ready.clear()
+            self.iteration += 1
+
+    def _average(self) -> AveragingInfo:
+        """Finish this iteration's averaging and write its result into the
+        weights or the ``.grad`` s."""
+        with self._lock:
+            if not self._started:
+                self._start()
+        changed = self._changed_grad()
+        info = self.method.finish()
+        if changed is not None:  # the round is over on every rank: count it
+            self._end_iteration()
+            raise InvalidArgumentError(
+                "step", f"the gradient of {self.specs[changed].label()} changed after its "
+                "averaging started (clip_grad_norm_, GradScaler.unscale_ or scaling after "
+                "backward would be undone); call opt.synchronize() before changing "
+                "gradients, or wrap with overlap=False")
+        if info.averaged == MODEL:
+            self._weights.unpack(self.params)
+        elif info.averaged is not None:
+            self._grads.unpack_grads(self.params)
+        return info
+
+    def synchronize(self) -> AveragingInfo:
+        """Collective: finish this iteration's averaging and apply it now
+        (averaged gradients in ``.grad``, or averaged weights), so that the
+        gradients may be changed before :meth:`step` -- clipping with
+        ``clip_grad_norm_``, AMP's ``GradScaler.unscale_`` -- which then only
+        steps the optimizer. Idempotent until that step."""
+        self._check_open()
+        if self._synced is None:
+            self._synced = self._average()
+        return self._synced
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finish this iteration's averaging, apply it, then the optimizer step.
@@ -314,19 +411,11 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with self._lock:
-            if not self._started:
-                self._start()
-        info = self.method.finish()
-        if info.averaged == MODEL:
-            self._weights.unpack(self.params)
-        elif info.averaged is not None:
-            self._grads.unpack_grads(self.params)
+        info = self._synced if self._synced is not None else self._average()
+        self._synced = None
         self.optimizer.step()
-        with self._lock:
-            self._started = False
-            self._ready.clear()
-            self.iteration += 1
+        self._end_iteration()
+        self._hook_trainable()
         self.last_info = info
         self.stats.record(info)
         return loss
@@ -352,7 +441,7 @@ class DistributedOptimizer:
             if self._closed:
                 return
             self._closed = True
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
         try:
             self._drain()
