@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm import Communicator, RoundInfo
+from wagma_comm.runtime import activation
 
 from conftest import (mismatched_creations_are_refused, mismatched_final_calls_are_named,
                       step_into_a_missing_sync_round, wagma_rounds_follow)
@@ -141,7 +142,9 @@ def test_wagma_published_model_is_fresh_in_a_round_a_peer_starts(
     if RANK == SLOW:  # its round ran without it: the result comes at once
         model = np.full(3, 50.0)
         info = w.step(model)
-        assert info.round == 0 and info.staleness == 1 and SLOW in info.fresh
+        # on time: its current (published) model made its round (before
+        # session 37 this counted as staleness 1)
+        assert info.round == 0 and info.staleness == 0 and SLOW in info.fresh
         assert np.all(model == (sum(range(SIZE - 1)) + 50.0) / SIZE)
     stats = _gather(w.statistics())
     assert sum(s["stale_contributions"] for s in stats) == 0
@@ -153,6 +156,37 @@ def test_wagma_published_model_is_fresh_in_a_round_a_peer_starts(
     w.close()
     with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
         w.publish(np.zeros(3))
+
+
+@pytest.mark.parametrize("sync_every", [1, 1000])
+def test_wagma_async_step_then_publish_keeps_the_steps_input(
+        comm: Communicator, sync_every: int) -> None:
+    """``step(async_op=True)``, then ``publish`` of the next model before
+    waiting: the round takes the step's input, not the next model (before
+    session 37 a round queued on the progress thread took the next model,
+    stale). Sync rounds (``sync_every=1``) and group rounds over all ranks;
+    the next model is published before the loop and again each iteration,
+    so whichever member starts a round, every contribution is fresh and the
+    mean is exact. Barriers keep any rank from stepping round t + 1 before
+    every rank stepped t, so each step gets its own round."""
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4), SIZE, sync_every=sync_every,
+                                           normalization="mean")
+
+    def value(t: int, r: int = RANK) -> float:
+        return float(r + 1 + 10 * t)
+    w.publish(np.full(4, value(0)))
+    WORLD.Barrier()
+    for t in range(12):
+        model = np.full(4, value(t))
+        handle = w.step(model, async_op=True)
+        w.publish(np.full(4, value(t + 1)))
+        info = handle.wait()
+        assert info.round == t and info.fresh == tuple(range(SIZE)), info
+        expected = sum(value(t, r) for r in range(SIZE)) / SIZE
+        np.testing.assert_array_equal(model, expected)
+        WORLD.Barrier()
+    assert w.statistics()["stale_contributions"] == 0
+    w.close()
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -252,7 +286,7 @@ def test_routing_state_stays_bounded_without_sync_rounds(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wagma_sync_rounds_agree_bitwise_for_every_group_size(
         comm: Communicator, scope: str, dtype: str) -> None:
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+    __import__("ml_dtypes")  # registers bfloat16 with NumPy
 
     rng = np.random.default_rng(RANK)
     for group_size in range(1, SIZE + 1):
@@ -457,6 +491,45 @@ def test_majority_activator_sequence_is_the_same_everywhere(comm: Communicator) 
         seq.append(info.activator)
     assert all(s == seq for s in _gather(seq))
     c.flush()
+    c.close()
+
+
+def test_majority_round_waits_for_its_own_activator_with_steps_outstanding(
+        comm: Communicator) -> None:
+    """Every rank posts all its steps at once (async), the later the higher
+    its rank: a rank's arrival at a round it activates must not start the
+    earlier rounds whose activators have not arrived (before session 37 it
+    did). Rank k's input to step t is the bit k * steps + t, so the results
+    show who was in: every round holds its activator's inputs up to it,
+    nothing is lost or counted twice, and each rank counts each round
+    activated here or elsewhere exactly once."""
+    steps = min(12, 62 // SIZE)
+    # a seed whose round 0 belongs to the last rank to post, where there is one
+    seed = next(s for s in range(1000)
+                if activation.majority_activator(s, 0, SIZE) == SIZE - 1)
+    c = comm.majority_allreduce(np.zeros(2, np.int64), sync_every=steps + 1, seed=seed,
+                                op="sum")
+    bufs = [np.full(2, 1 << (RANK * steps + t), np.int64) for t in range(steps)]
+    inputs = sum(int(b[0]) for b in bufs)
+    time.sleep(0.2 * RANK)
+    handles = [c.step(b, async_op=True) for b in bufs]
+    infos = [h.wait() for h in handles]
+    final = np.zeros(2, np.int64)
+    c.flush(final)
+    results = [int(b[0]) for b in bufs]
+    assert all(r == results for r in _gather(results))  # every rank: the same rounds
+    assert sum(results) + int(final[0]) == sum(_gather(inputs))
+    included = 0
+    for t, info in enumerate(infos):
+        activator = c.activator(t)
+        assert info.round == t and info.activator == activator, info
+        included += results[t]
+        mine = (1 << (t + 1)) - 1  # the activator's steps 0..t
+        assert (included >> (activator * steps)) & mine == mine, (t, activator)
+    stats = _gather(c.statistics())
+    assert sum(s["activated_here"] for s in stats) == steps, stats
+    assert all(s["activated_here"] + s["activated_elsewhere"] == steps for s in stats), stats
+    assert all(s["steps"] == steps for s in stats), stats  # flush() is no step
     c.close()
 
 

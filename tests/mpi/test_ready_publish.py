@@ -57,11 +57,15 @@ def test_a_round_every_member_published_runs_before_any_step(
         info = w.step(model)
         assert info.round == t and info.fresh == tuple(range(SIZE)), info
         assert info.activator == RANK  # started here, by its own publish
+        # on time: its own ready publish started the round (before session 37,
+        # staleness 1: the round had started "without" this step)
+        assert info.staleness == 0, info
         expected = sum(float(r + 10 * t) for r in range(SIZE)) / SIZE
         np.testing.assert_array_equal(model, expected)
     stats = w.statistics()
     assert stats["ready_starts"] == steps and stats["tokens_sent"] == 0, stats
     assert stats["activated_here"] == 0 and stats["stale_contributions"] == 0, stats
+    assert stats["late_steps"] == 0, stats
     w.close()
 
 

@@ -316,6 +316,71 @@ def test_flush_is_a_global_mean_and_publishes_it(comm: Communicator) -> None:
     w.close()
 
 
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"], ids=["board", "messages"])
+def test_flush_is_not_counted_as_a_step(comm: Communicator, algorithm: str | None) -> None:
+    """flush(buf) counts in ``flushes`` and ``sync_rounds`` only, on both
+    paths (before session 37 the message path also counted it in
+    ``steps`` and the staleness histogram, the board did not)."""
+    if algorithm is None and SIZE == 1:
+        pytest.skip("one rank has no shared-memory segment")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4), 2 if SIZE > 1 else 1, sync_every=10,
+                                           algorithm=algorithm)
+    for _ in range(3):
+        w.step(np.ones(4))
+    w.flush(np.full(4, 2.0))
+    stats = w.statistics()
+    assert stats["steps"] == 3 and stats["flushes"] == 1 and stats["sync_rounds"] == 1, stats
+    assert sum(stats["staleness_histogram"].values()) == 3, stats
+    w.close()
+
+
+@needs_peers
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"], ids=["board", "messages"])
+def test_a_published_member_whose_round_a_peer_ran_is_on_time(
+        comm: Communicator, algorithm: str | None) -> None:
+    """Every rank publishes its model of round 0, then the fast ranks step
+    (whichever runs the round, every contribution is fresh); the slow rank's
+    step then gets round 0 at once with staleness 0 and is not a late step:
+    its contribution was current. Before session 37 both paths reported
+    staleness 1 there (and the board also for a fast rank whose peer ran
+    the round)."""
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), SIZE, sync_every=10,
+                                           normalization="mean", algorithm=algorithm)
+    model = np.full(3, float(RANK))
+    w.publish(model)
+    WORLD.Barrier()  # published before any fast rank steps
+    if RANK != SLOW:
+        info = w.step(model)
+        assert info.round == 0 and info.staleness == 0 and SLOW in info.fresh, info
+    WORLD.Barrier()
+    if RANK == SLOW:
+        info = w.step(model)  # (messages: round 0 may still be finishing here)
+        assert info.round == 0 and info.staleness == 0 and SLOW in info.fresh, info
+        assert w.statistics()["late_steps"] == 0
+    np.testing.assert_array_equal(model, sum(range(SIZE)) / SIZE)
+    w.flush()
+    w.close()
+
+
+@needs_peers
+@pytest.mark.parametrize("normalization", ["wagma", "mean"])
+def test_float16_group_rounds_do_not_overflow_where_the_mean_fits(
+        comm: Communicator, normalization: str) -> None:
+    """float16 models of 40000 on every rank: a group's sum (up to 40000 P)
+    is beyond float16's 65504, its mean is not. The board keeps the sum in
+    float32 and rounds once (before session 37 it stored the sum in float16:
+    inf). The message path's sum overflows, as documented."""
+    w = _wagma(comm, np.full(4, 40000, np.float16), SIZE, sync_every=100,
+               normalization=normalization)
+    for _ in range(3):
+        model = np.full(4, 40000, np.float16)
+        info = w.step(model)
+        assert not info.synchronized
+        np.testing.assert_array_equal(model, np.float16(40000))
+    w.flush()
+    w.close()
+
+
 @needs_peers
 @pytest.mark.parametrize("algorithm", [None, "recursive_doubling"], ids=["board", "messages"])
 def test_a_flushed_model_is_not_fresh_for_the_next_round(comm: Communicator,

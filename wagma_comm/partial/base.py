@@ -398,9 +398,12 @@ class PartialCollective:
         except WagmaError as exc:
             call.handle._complete(None, exc)
             return
-        waited = time.monotonic() - call.started
-        with self._lock:
-            self.telemetry.record_call(call.staleness, waited, res.synchronized)
+        if res.round == call.iteration and self.rank in res.fresh:
+            call.staleness = 0  # its current contribution made the round: on time
+        if call.kind == "step":  # a flush counts in ``flushes``, as on the board
+            waited = time.monotonic() - call.started
+            with self._lock:
+                self.telemetry.record_call(call.staleness, waited, res.synchronized)
         call.handle._complete(self._info(call, res))
 
     # -- progress thread -------------------------------------------------------------
@@ -456,7 +459,7 @@ class PartialCollective:
         elif t <= self._completed:
             return  # it ran here, so every member took part: nobody to tell
         elif self._activates(t):
-            self.telemetry.activated_here += t > self._activated
+            self.telemetry.activated_here += not self._is_activated(t)
             work = self._round_work
             if work is not None and work.seq == t and work.patient:
                 # A ready start: somebody waits for it now, and its timeout
@@ -503,7 +506,7 @@ class PartialCollective:
             self._sync_arrived.discard(r)
             self._start_round(r, tuple(range(self.size)), None, None, synchronized=True)
             return True
-        if r <= self._activated:
+        if self._is_activated(r):
             step = activation.group_step(self.first_round + r, self.sync_every)
             root = self._round_activator(r, self._roots.pop(r, self.rank))
             self._start_round(r, self._members(r), step, root, synchronized=False)
@@ -807,25 +810,35 @@ class PartialCollective:
         self.telemetry.tokens_received += 1
         if self._closing is not None:
             return  # a peer's last tokens: every round has run
-        if r > self._activated and r > self._started:
+        if not self._is_activated(r):
             self.telemetry.activated_elsewhere += 1
         self._activate(r, sender, root)
 
+    def _is_activated(self, r: int) -> bool:
+        """Whether group round ``r`` may start here once the rounds before it ran."""
+        return r <= self._activated
+
     def _activate(self, r: int, sender: int | None, root: int) -> None:
-        """Record that round ``r`` is activated (rounds before it too: rounds run
-        in order here) and pass the token on."""
+        """Record that round ``r`` is activated and pass the token on."""
         if (r <= self._last_sync or r <= self._completed - TOKEN_HORIZON
                 or self._synchronous(r)):
             return
+        self._mark_activated(r)
+        if r > self._started:  # popped when the round starts
+            root = self._roots.setdefault(r, root)
+        self._route(r, sender, root)
+
+    def _mark_activated(self, r: int) -> None:
+        """Round ``r`` is activated, and the rounds before it too: rounds run in
+        order here, and a member of an earlier round that never arrived would
+        otherwise never run it (its group's tokens come from arrivals only).
+        This rank activates those rounds itself, as their root."""
         if r > self._activated:
             for q in range(self._activated + 1, r):
                 if not self._synchronous(q):
                     self._roots[q] = self.rank
                     self._route(q, None, self.rank)
             self._activated = r
-        if r > self._started:  # popped when the round starts
-            root = self._roots.setdefault(r, root)
-        self._route(r, sender, root)
 
     def _forget_routes(self, r: int) -> None:
         """Round ``r`` completed: drop the routing state of rounds whose

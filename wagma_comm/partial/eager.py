@@ -122,6 +122,7 @@ class MajorityAllreduce(SoloAllreduce):
         super().__init__(comm, buf, sync_every, op=op, timeout=timeout, algorithm=algorithm,
                          first_round=first_round)
         self.seed = seed
+        self._ahead: set[int] = set()  # progress thread: activated rounds not yet started
 
     def creation_options(self) -> dict[str, Any]:
         return {**super().creation_options(), "seed": self.seed}
@@ -135,7 +136,20 @@ class MajorityAllreduce(SoloAllreduce):
         return self.activator(t) == self.rank
 
     def _waiting_for(self, t: int) -> list[int]:
-        return [self.activator(t)]
+        """The activators of the rounds up to ``t`` not yet activated: round
+        ``t`` waits for each of them (rounds run in order)."""
+        return sorted({self.activator(q) for q in range(self._started + 1, t + 1)
+                       if not self._synchronous(q) and not self._is_activated(q)}
+                      ) or [self.activator(t)]
+
+    def _is_activated(self, r: int) -> bool:
+        return r <= self._started or r in self._ahead
+
+    def _mark_activated(self, r: int) -> None:
+        """Only round ``r``: an earlier round starts when its own activator
+        arrives (ALGORITHMS.md s. 4), so a later round may wait for it."""
+        self._ahead.add(r)
+        self._ahead.difference_update([q for q in self._ahead if q <= self._started])
 
     def _round_activator(self, r: int, first_root: int) -> int:
         return self.activator(r)

@@ -17,10 +17,12 @@ class RoundInfo:
     ``round >= iteration`` there. ``step``: the shifting-group step (None for a
     synchronous round). ``group``: the ranks of the round. ``activator``: the rank
     whose arrival started the round here (None for synchronous rounds).
-    ``fresh``: ranks whose contribution was current (their step for that round
-    came before the round started on them). ``staleness``: how many rounds this
-    caller was behind when it called (0: on time; its contribution to the round
-    was that many iterations old). ``synchronized``: a blocking round over all
+    ``fresh``: ranks whose contribution was current (their step or publish for
+    that round came before the round started on them). ``staleness``: how many
+    rounds this caller was behind when it called (0: on time, its contribution
+    to the round it got was current, even if that round ran before its step;
+    else its contribution was that many iterations old). A flush is not counted
+    as a step in Telemetry. ``synchronized``: a blocking round over all
     ranks (the periodic sync or a flush).
     """
 
@@ -42,7 +44,7 @@ class Telemetry:
 
     size: int
     steps: int = 0
-    late_steps: int = 0
+    late_steps: int = 0  # steps with staleness > 0
     rounds: int = 0
     sync_rounds: int = 0
     flushes: int = 0

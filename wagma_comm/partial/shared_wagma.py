@@ -19,8 +19,11 @@ unless said:
   writes the sum, the freshness flags and its own rank (the activator) into
   every member's result block whose newest round is older than ``t``.
 * A member whose result block already holds round ``t`` or later is late: it
-  gets that newest round at once (staleness ``newest - t + 1``), as the
+  gets that newest round at once (staleness ``newest - t + 1``, or 0 when
+  that round is ``t`` and its published model was fresh in it), as the
   message path's late caller gets the most recent completed round.
+* Half precision: a round's sum stays in float32 in the result blocks, and
+  ``_combine`` rounds once (no float16 overflow where the mean fits).
 * Nobody waits for a peer in a group round (the locks are held for the copy
   and the sum only), except for the opt-in ``grace``: the first member to
   arrive may wait a bounded time for members one round behind
@@ -156,8 +159,13 @@ class SharedWaitAvoidingGroupAllreduce:
         self.activation, self.normalization, self.timeout = activation, normalization, timeout
         self.grace = grace
         storage = self.dtype.storage
-        self._published = [b.view(storage) for b in board.published]
-        self._results = [b.view(storage) for b in board.result]
+        self._published = [b[:buffer.nbytes].view(storage) for b in board.published]
+        # A half-precision round's sum stays in float32 (the board's blocks are
+        # twice the model then: result_bytes), so a float16 group sum over
+        # 65504 does not overflow where the mean is representable, and the
+        # result is rounded once, in _combine.
+        self._results = [b.view(np.float32 if self.dtype.is_half else storage)
+                         for b in board.result]
         self._reducers: dict[tuple[int, ...], Callable[[np.ndarray], None]] = {}
         self._combiners: dict[int, Callable[[np.ndarray], None]] = {}
         # The groups shift with the step, which repeats every num_steps.
@@ -288,12 +296,13 @@ class SharedWaitAvoidingGroupAllreduce:
             newest = int(words[me][RESULT])
             if newest < t:  # first to arrive: this rank runs the round for the group
                 self._run_round(t, members)
-                newest, staleness = t, 0
-            else:  # a peer ran it (or a later round of ours) without us
-                staleness = newest - t + 1
+                newest = t
             group = members if newest == t else self._members(newest)
             flags = self._board.flags[me]
             fresh = tuple(m for i, m in enumerate(group) if flags[i])
+            # On time when its model of round t made round t (it ran the round,
+            # or a peer did after this rank published); else rounds behind.
+            staleness = 0 if newest == t and me in fresh else newest - t + 1
             activator = int(words[me][ACTIVATOR])
             if activator == me and newest == t and len(fresh) < len(group):
                 self._check_stale_members(t, [m for m in group if m not in fresh])
@@ -366,8 +375,7 @@ class SharedWaitAvoidingGroupAllreduce:
         me, words, board = self.rank, self._board.words, self._board
         reduce = self._reducers.get(members)
         if reduce is None:
-            reduce = host_kernels.rows_reducer(
-                "sum", self.dtype, [self._published[m] for m in members])
+            reduce = self._summer([self._published[m] for m in members])
             self._reducers[members] = reduce
         reduce(self._results[me])
         flags = board.flags[me]
@@ -410,15 +418,35 @@ class SharedWaitAvoidingGroupAllreduce:
         if t is not None:
             self._board.words[self.rank][PUBLISHED] = t
 
+    def _summer(self, rows: list[np.ndarray]) -> Callable[[np.ndarray], None]:
+        """``fn(dst)``: ``dst`` = the sum of ``rows`` in their order; float32
+        for half precision (accumulated as the kernels do, never rounded to
+        the half format)."""
+        if not self.dtype.is_half:
+            return host_kernels.rows_reducer("sum", self.dtype, rows)
+
+        def widened_sum(dst: np.ndarray) -> None:
+            dst[:] = host_kernels.to_float32(rows[0], self.dtype)
+            for row in rows[1:]:
+                dst += host_kernels.to_float32(row, self.dtype)
+        return widened_sum
+
     def _combine(self, out: np.ndarray, n: int) -> None:
         """``out`` = the group's mean (``n`` members), or (normalization
-        "wagma") ``(sum + out) / (n + 1)``. Made once per group size:
-        average_into's checks cost more than the kernel."""
+        "wagma") ``(sum + out) / (n + 1)``, rounded once. Made once per
+        group size: average_into's checks cost more than the kernel."""
         combine = self._combiners.get(n)
         if combine is None:
             with_out = self.normalization != "mean"
-            combine = host_kernels.rows_reducer("avg", self.dtype, [self._results[self.rank]],
-                                                n + with_out, with_dst=with_out)
+            total = self._results[self.rank]
+            if self.dtype.is_half:  # the float32 sum (see __init__)
+                def combine(dst: np.ndarray) -> None:
+                    acc = total + host_kernels.to_float32(dst, self.dtype) if with_out else total
+                    dst[:] = host_kernels.from_float32(acc / np.float32(n + with_out),
+                                                       self.dtype)
+            else:
+                combine = host_kernels.rows_reducer("avg", self.dtype, [total],
+                                                    n + with_out, with_dst=with_out)
             self._combiners[n] = combine
         combine(out)
 
@@ -568,26 +596,33 @@ def unavailable_reason(comm: Any, nbytes: int) -> str | None:
     return None
 
 
-def open_board(comm: Any, ident: int, initial: np.ndarray,
+def result_bytes(count: int, dtype: Any) -> int:
+    """Bytes of a board block's model slots: a round's sum is float32 for
+    half precision (SharedWaitAvoidingGroupAllreduce.__init__)."""
+    return count * (4 if dtype.is_half else dtype.itemsize)
+
+
+def open_board(comm: Any, ident: int, initial: np.ndarray, nbytes: int,
                timeout: float) -> tuple[Board | None, str | None]:
-    """Collective: rank 0 creates the board, the others map it, every rank
-    puts ``initial`` in its published slot; a board only if all could."""
+    """Collective: rank 0 creates the board (``nbytes`` per model slot), the
+    others map it, every rank puts ``initial`` in its published slot; a
+    board only if all could."""
     path = f"{comm._shared.segment.path}-p{ident}"
     board, reason = None, None
     if comm.rank == 0:
         try:
-            board = Board.create(path, comm.size, initial.nbytes)
+            board = Board.create(path, comm.size, nbytes)
         except OSError as exc:
             reason = f"rank 0 could not create {path}: {exc}"
     created = np.array([board is not None or comm.rank != 0], dtype=np.int64)
     comm.allreduce(created, "min", timeout=timeout)
     if created[0] and comm.rank != 0:
         try:
-            board = Board.attach(path, comm.size, initial.nbytes)
+            board = Board.attach(path, comm.size, nbytes)
         except OSError as exc:
             reason = f"rank {comm.rank} could not map {path}: {exc}"
     if board is not None:
-        board.published[comm.rank][:] = initial.reshape(-1).view(np.uint8)
+        board.published[comm.rank][:initial.nbytes] = initial.reshape(-1).view(np.uint8)
     mapped = np.array([board is not None], dtype=np.int64)
     comm.allreduce(mapped, "min", timeout=timeout)
     if board is not None and comm.rank == 0:
@@ -626,7 +661,8 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
             data = buffer.host_array()
             deadline = comm._call_timeout(timeout)
             ident = comm._register_partial()
-            board, reason = open_board(comm, ident, data, deadline)
+            board, reason = open_board(comm, ident, data,
+                                       result_bytes(buffer.count, buffer.dtype), deadline)
             if board is not None:
                 return comm._create(SharedWaitAvoidingGroupAllreduce(
                     comm, buf, board, ident, group_size, sync_every, activation=activation,

@@ -16,7 +16,9 @@ combines that sum with its own current model:
 the groups cannot all be that large.) A late caller -- its round already ran
 with its stale published model -- gets the *most recent completed* round at
 once, the freshest models available, and keeps one result buffer instead of
-one per missed round. Every ``sync_every``-th step is a blocking global mean,
+one per missed round (late again before a newer round completes, it gets
+the same round's sum again, combined with its current model). Every
+``sync_every``-th step is a blocking global mean,
 after which every rank holds a bitwise-identical model.
 """
 
@@ -82,6 +84,10 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         # (the creation buffer, which all ranks share), never uninitialised memory.
         self._published = self._mem.clone(self._template_data()[0])
         self._published_round = -1
+        # Contributions a later one replaced before their round started here
+        # (step(async_op=True), then publish() or step()): round -> model.
+        self._held: dict[int, Any] = {}
+        self._spare: list[Any] = []  # buffers of taken held contributions, reused
         self._latest: Result | None = None
 
     def publish(self, buf: Any, *, ready: bool = False) -> None:
@@ -127,10 +133,23 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
 
     # -- what ----------------------------------------------------------------
     def _contribute(self, data: np.ndarray, t: int) -> None:
+        """(under _lock) ``data`` is this rank's model of round ``t``. A model
+        of an earlier round that has not started here yet is set aside for
+        it (a buffer swap, no copy): that round's input is the model of its
+        own step, not of a later one."""
+        last = self._published_round
+        if self._started < last < t:
+            self._held[last] = self._published
+            self._published = self._spare.pop() if self._spare else self._mem.empty(self.count)
         self._mem.copy(self._published, data)
         self._published_round = t
 
     def _snapshot(self, dst: np.ndarray, r: int) -> bool:
+        held = self._held.pop(r, None)
+        if held is not None:
+            self._mem.copy(dst, held)
+            self._spare.append(held)
+            return True
         self._mem.copy(dst, self._published)
         return self._published_round == r
 
