@@ -29,7 +29,7 @@ from ..errors import BufferError, InvalidArgumentError
 from .bucket import DeviceBucket, FlatBucket, common_device
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .methods.base import check_int
-from .placement import agree_on_device, check_choice
+from .placement import agree_at_setup, check_choice
 from .specs import check_consistent
 from .stats import WaitStats
 
@@ -85,7 +85,7 @@ class Averager:
         if buckets == "device" and device is None:
             raise InvalidArgumentError("buckets", "device buckets need every tensor on one "
                                        "device; these are on several (use 'host' or 'auto')")
-        self._on_device = agree_on_device(comm, buckets, device and device[0], self.method)
+        self._on_device = agree_at_setup(comm, buckets, device and device[0], self.method)
         bucket = DeviceBucket if self._on_device else FlatBucket
         self._model = bucket(params, names, argument="params")
         self._grads = bucket(params, names, argument="grads")

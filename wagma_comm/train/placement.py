@@ -19,7 +19,7 @@ from ..errors import InvalidArgumentError
 from .methods import Method
 from .specs import _allgather_ints, _minority
 
-__all__ = ["BUCKET_MEMORY", "agree_on_device", "nccl_usable"]
+__all__ = ["BUCKET_MEMORY", "agree_at_setup", "nccl_usable"]
 
 BUCKET_MEMORY = ("auto", "device", "host")
 
@@ -40,7 +40,7 @@ def check_choice(choice: Any, method: Method) -> None:
                                    "memory (mpi4py); use buckets='host' or 'auto'")
 
 
-def agree_on_device(comm: Any, choice: str, device_type: str | None, method: Method) -> bool:
+def agree_at_setup(comm: Any, choice: str, device_type: str | None, method: Method) -> bool:
     """Collective: whether the buckets live on the tensors' device, and a
     check that every rank runs the same method with the same knobs.
 

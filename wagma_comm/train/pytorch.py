@@ -38,12 +38,12 @@ from .. import dtypes
 from ..errors import InvalidArgumentError
 from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
-from .placement import BUCKET_MEMORY, agree_on_device
+from .placement import BUCKET_MEMORY, agree_at_setup
 from .specs import TensorSpec, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
 
-__all__ = ["BUCKET_MEMORY", "DistributedOptimizer", "TorchBucket", "device_buckets",
-           "torch_dtype", "torch_dtype_name"]
+__all__ = ["BUCKET_MEMORY", "DistributedOptimizer", "TorchBucket", "torch_dtype",
+           "torch_dtype_name"]
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16",
                  torch.float32: "float32", torch.float64: "float64",
@@ -164,13 +164,6 @@ class TorchBucket:
             p.grad.copy_(view)
 
 
-def device_buckets(comm: Any, choice: str, device: torch.device, method: Method) -> bool:
-    """Collective: whether the buckets live on the parameters' device (see
-    :class:`DistributedOptimizer`, ``buckets``), agreed by every rank
-    (:func:`~wagma_comm.train.placement.agree_on_device`)."""
-    return agree_on_device(comm, choice, device.type, method)
-
-
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
@@ -229,7 +222,7 @@ class DistributedOptimizer:
                     "optimizer", f"{spec.label()} is on {p.device} but parameter 0 is on "
                     f"{device}; all parameters must share one device")
         check_consistent(comm, self.specs)
-        self._on_device = device_buckets(comm, buckets, device, self.method)
+        self._on_device = agree_at_setup(comm, buckets, device.type, self.method)
         self._weights = TorchBucket(self.specs, device, self._on_device)
         self._grads = TorchBucket(self.specs, device, self._on_device)
         if broadcast:
