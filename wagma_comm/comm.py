@@ -29,7 +29,7 @@ from .errors import (
     UnsupportedError,
 )
 from .runtime import debug
-from .runtime.engine import LAZY, NOT_INLINE, Engine, Stage, Work
+from .runtime.engine import CLOSE_GRACE_S, LAZY, NOT_INLINE, Engine, Stage, Work
 from .runtime.handle import Handle
 from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
@@ -462,8 +462,15 @@ class Communicator:
             self._shared.drain(_cancelled() if cancel else None)
         self._forget()
         self._drain_gpu(cancel)
-        self._engine.close(cancel=cancel, timeout=self._timeout + 10.0)
+        # Waits for the latest deadline in flight (a call's timeout= may be
+        # longer than the communicator's), not a fixed time.
+        stuck = self._engine.close(cancel=cancel)
         self._release()
+        if stuck:
+            raise CommunicatorClosedError(
+                f"close(): the progress thread did not stop by the latest deadline in flight "
+                f"plus {CLOSE_GRACE_S:g} s; failed here: {', '.join(stuck)}"
+                + ("; the MPI communicators were not freed" if self._engine.alive() else ""))
 
     def _drain_gpu(self, cancel: bool) -> None:
         """GPU collectives finish (each within its deadline, which the queue
@@ -774,8 +781,18 @@ class Communicator:
             raise CollectiveTimeoutError(collective, seq, [], "another thread was still "
                                          "finishing it at its deadline (shared-memory exchange)")
         if on_done is not None:
-            on_done()
+            self._check_result(on_done)
         return value
+
+    def _check_result(self, check: Callable[[], None]) -> None:
+        """Run a blocking call's result check (NaN in max/min) here, after
+        its run was counted completed: a failure counts it failed instead,
+        as when the engine runs the check."""
+        try:
+            check()
+        except Exception:
+            self._engine.result_check_failed()
+            raise
 
     def _break(self, error: Any) -> None:
         """A shared-memory exchange timed out or lost a member: as for the
@@ -819,7 +836,7 @@ class Communicator:
             if late is not None:  # handed to the engine, which runs on_done
                 return late.wait()  # type: ignore[union-attr]
             if on_done is not None:
-                on_done()
+                self._check_result(on_done)
             return value
         return work.handle if async_op else work.handle.wait()
 

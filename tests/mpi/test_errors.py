@@ -252,7 +252,8 @@ def test_bad_step_input_is_refused_locally_and_the_collective_goes_on(
 NAN_MODES = ["inline", "engine", "async"]  # small blocking, large blocking, non-blocking
 
 
-def _reduce_with_nan(comm: Communicator, dtype: str, op: str, mode: str) -> np.ndarray:
+def _reduce_with_nan(comm: Communicator, dtype: str, op: str, mode: str,
+                     algorithm: str | None = None) -> np.ndarray:
     import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 
     n = 40_000 if mode == "engine" else 6  # 40k elements: above the inline limit
@@ -260,7 +261,7 @@ def _reduce_with_nan(comm: Communicator, dtype: str, op: str, mode: str) -> np.n
     if RANK == SIZE - 1:
         a[2] = np.nan
     with pytest.raises(wagma_comm.InvalidArgumentError) as info:
-        h = comm.allreduce(a, op, async_op=mode == "async")
+        h = comm.allreduce(a, op, async_op=mode == "async", algorithm=algorithm)
         if mode == "async":
             h.wait()
     assert info.value.argument == "buf" and "NaN" in str(info.value)
@@ -286,6 +287,21 @@ def test_nan_with_max_min_raises_on_every_member_and_communicator_survives(
     b = np.full(3, RANK + 1.0)
     comm.allreduce(b)
     assert b[0] == SIZE * (SIZE + 1) / 2
+
+
+@pytest.mark.parametrize("mode", NAN_MODES)
+@pytest.mark.parametrize("algorithm", [None, "recursive_doubling"])
+def test_a_result_refused_for_nan_counts_as_failed_on_every_path(
+        comm: Communicator, mode: str, algorithm: str | None) -> None:
+    """statistics(): a call whose result check raised is failed, not
+    completed, whichever path ran it (inline, shared memory, engine,
+    non-blocking); blocking inline and shared-memory calls counted it
+    completed before."""
+    before = comm.statistics()
+    _reduce_with_nan(comm, "float32", "max", mode, algorithm)
+    after = comm.statistics()
+    assert (after["completed"] - before["completed"], after["failed"] - before["failed"]) \
+        == (0, 1)
 
 
 def test_nan_in_a_group_raises_on_that_group_only(comm: Communicator) -> None:

@@ -3,6 +3,8 @@ communicator, and calls on one group keep their order (Work.requires)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -48,3 +50,106 @@ def test_failed_setup_is_redone_by_the_next_call() -> None:
     finally:
         MPI.COMM_WORLD.Barrier()
         c.close()
+
+
+def _late_partner_case(run_early: Callable[[wagma_comm.Communicator, int, Callable[[], None]],
+                                            None],
+                       run_late: Callable[[wagma_comm.Communicator], None]) -> None:
+    """Rank 0 runs ``run_early(c, partner, release)`` while its group partner
+    at step 0 holds back (so the group's set-up cannot finish), whatever the
+    timing: the partner runs ``run_late(c)`` only once rank 0 calls
+    ``release()`` (or failed)."""
+    if SIZE < 3:
+        pytest.skip("needs a group smaller than the world (its set-up can be pending)")
+    c = wagma_comm.init(timeout=20)
+    partner = [r for r in c.group_of(2, 0, rank=0) if r != 0][0]
+    released: list[bool] = []
+
+    def release() -> None:
+        if not released:
+            released.append(True)
+            MPI.COMM_WORLD.send(None, dest=partner, tag=77)
+    try:
+        if RANK == 0:
+            try:
+                run_early(c, partner, release)
+            finally:
+                release()
+        elif RANK == partner:
+            MPI.COMM_WORLD.recv(source=0, tag=77)
+            run_late(c)
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        c.close(cancel=True)
+
+
+def test_a_call_that_times_out_queued_breaks_the_communicator_and_names_the_ranks() -> None:
+    """A native call that expires while queued behind its group's set-up was
+    never posted: it breaks the communicator (as an in-flight timeout does)
+    and names the partner the set-up waits for; the call queued behind it
+    fails rather than being matched by MPI with the partner's skipped call.
+    Before, nothing broke and the next call returned a wrong sum on both."""
+    first = np.full(4, 1.0, np.float32)
+
+    def early(c: wagma_comm.Communicator, partner: int, release: Callable[[], None]) -> None:
+        h1 = c.group_allreduce(first, 2, 0, "sum", algorithm="native", async_op=True)
+        h2 = c.group_allreduce(np.full(4, 2.0, np.float32), 2, 0, "sum",
+                               algorithm="native", async_op=True, timeout=1)
+        h3 = c.group_allreduce(np.full(4, 100.0, np.float32), 2, 0, "sum",
+                               algorithm="native", async_op=True)
+        with pytest.raises(wagma_comm.CollectiveTimeoutError,
+                           match="before it could start.*group set-up") as info:
+            h2.wait()
+        assert info.value.ranks == (partner,)
+        assert c.statistics()["broken"] is not None
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="round 1"):
+            h3.wait()
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(4, np.float32), async_op=True)
+        release()  # now the set-up may finish
+        h1.wait()
+        np.testing.assert_array_equal(first, np.full(4, 2.0, np.float32))
+
+    def late(c: wagma_comm.Communicator) -> None:
+        mine = [np.full(4, v, np.float32) for v in (1.0, 10.0, 1000.0)]
+        handles = [c.group_allreduce(x, 2, 0, "sum", algorithm="native", async_op=True,
+                                     timeout=1 if k else 20) for k, x in enumerate(mine)]
+        handles[0].wait()
+        np.testing.assert_array_equal(mine[0], np.full(4, 2.0, np.float32))
+        for h in handles[1:]:  # rank 0 never posts them: never a wrong sum
+            with pytest.raises(wagma_comm.CollectiveTimeoutError):
+                h.wait()
+
+    _late_partner_case(early, late)
+
+
+def test_a_queued_call_fails_at_its_own_deadline_behind_a_longer_one() -> None:
+    """A call with a 1 s timeout queued behind a call with a longer one (both
+    behind a group's set-up) fails at its own deadline with the timeout
+    naming the partner, not 5 s later with a false "engine stopped"; the
+    earlier queued call still runs, in order, once the partner comes."""
+    bufs = [np.full(4, 1.0, np.float32), np.full(4, 2.0, np.float32)]
+
+    def early(c: wagma_comm.Communicator, partner: int, release: Callable[[], None]) -> None:
+        natives = [c.group_allreduce(b, 2, 0, "sum", algorithm="native", async_op=True)
+                   for b in bufs]
+        short = c.allreduce(np.ones(4, np.float32), algorithm="recursive_doubling",
+                            async_op=True, timeout=1)
+        with pytest.raises(wagma_comm.CollectiveTimeoutError,
+                           match="before it could start") as info:
+            short.wait()
+        assert info.value.ranks == (partner,)
+        assert not natives[1].done  # earlier in the queue: not failed with it
+        release()
+        for h in natives:
+            h.wait()
+        np.testing.assert_array_equal(bufs[1], np.full(4, 4.0, np.float32))
+
+    def late(c: wagma_comm.Communicator) -> None:
+        mine = [np.full(4, 1.0, np.float32), np.full(4, 2.0, np.float32)]
+        for x in mine:
+            c.group_allreduce(x, 2, 0, "sum", algorithm="native")
+        np.testing.assert_array_equal(mine[0], np.full(4, 2.0, np.float32))
+        np.testing.assert_array_equal(mine[1], np.full(4, 4.0, np.float32))
+
+    _late_partner_case(early, late)

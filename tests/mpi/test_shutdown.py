@@ -122,6 +122,30 @@ def test_close_without_cancel_is_bounded_by_the_deadline() -> None:
     WORLD.Barrier()
 
 
+def test_close_waits_for_a_call_whose_timeout_exceeds_the_communicators() -> None:
+    """close() without cancel returns only once every collective ended, also
+    one whose own ``timeout=`` is longer than the communicator's timeout plus
+    10 s: it then ends in its own named timeout. Before, close() gave up after
+    the communicator's timeout + 10 s and returned silently, the call still in
+    flight and the progress thread running (about 12 s on rank 0)."""
+    if SIZE == 1:
+        pytest.skip("a collective nobody joins needs two ranks")
+    c = wagma_comm.init(timeout=1.0)
+    c.barrier(timeout=30)
+    if RANK == 0:
+        handle = c.allreduce(np.ones(1 << 15, np.float32), algorithm="recursive_doubling",
+                             async_op=True, timeout=12)
+        c.close()
+        assert handle.done and c.statistics()["in_flight"] == 0
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            handle.wait()
+        assert info.value.round == 1 and set(info.value.ranks) <= set(range(1, SIZE))
+        assert info.value.ranks
+    else:
+        c.close()
+    WORLD.Barrier()
+
+
 @pytest.mark.parametrize("cancel", [False, True])
 def test_close_with_a_wait_avoiding_collective_active(cancel: bool) -> None:
     """The communicator closes under a live WAGMA object with a round in

@@ -42,7 +42,8 @@ from .inline import (DONE, EXPIRED, Plan, Program, ProgramRun, overlong_receive,
 from .liveness import Liveness
 from .pool import ScratchPool
 from .straight import StraightLine
-from .watch import Watch, timeout_error
+from .watch import Watch, timeout_error, waiting_ranks
+from .watch import _phase as stage_phase
 
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
 # only after this long without any completion fall back to short sleeps, so a
@@ -77,6 +78,11 @@ _STRAIGHT_PATIENCE_S = 1e-3
 # How long a blocking call waits for the progress thread to finish its turn
 # before it queues instead of running inline.
 _DRIVER_WAIT_S = 1e-3
+
+# close() waits this long past the latest deadline in flight for the progress
+# thread to stop (it fails each collective at its own deadline) before it
+# concludes the thread is stuck and fails what is left itself.
+CLOSE_GRACE_S = 10.0
 
 NOT_INLINE = object()  # what run_inline returns when the engine was not idle
 
@@ -208,12 +214,16 @@ class Engine:
         self._cv = threading.Condition(self._mutex)
         self._incoming: deque[Work] = deque()
         self._waiting: deque[Work] = deque()  # held back by the sequence window
+        # No queued Work is due before this (a lower bound: _expire_waiting
+        # scans the queue only once it passed, not on every turn).
+        self._waiting_due = float("inf")
         self._active: list[_Run] = []
         self._requests: list[Any] = []
         self._owners: list[tuple[_Run, int]] = []
         self._plans: dict[int, tuple[Schedule, Any]] = {}
         self._programs: dict[tuple[int, str], tuple[Schedule, Program]] = {}
         self._counts_lock = threading.Lock()  # statistics() against the programs' fold
+        self._checks_failed = 0  # under _counts_lock: see result_check_failed
         self.generation = 0  # bumped when the programs above are forgotten
         self._pool = ScratchPool()
         # What the test of all outstanding requests fills (None: the transport
@@ -328,6 +338,7 @@ class Engine:
     def start(self, work: Work) -> None:
         """Queue work from the progress thread itself (a service's round)."""
         self._waiting.append(work)
+        self._waiting_due = min(self._waiting_due, work.deadline)
 
     def post(self, request: Any, callback: Callable[[], None]) -> None:
         """Poll ``request`` with everything else; call ``callback`` (progress
@@ -344,14 +355,58 @@ class Engine:
                 del self._owners[k]
                 return
 
-    def close(self, cancel: bool = False, timeout: float | None = None) -> None:
+    def close(self, cancel: bool = False, timeout: float | None = None) -> list[str]:
         """Stop the thread: drain in-flight work (each has a finite deadline), or
-        fail it with CommunicatorClosedError when ``cancel``."""
+        fail it with CommunicatorClosedError when ``cancel``.
+
+        ``timeout``: wait at most that long (the exit drain, whose caller
+        cancels what is left). None: wait until the latest deadline in flight
+        (a per-call timeout may exceed the communicator's) plus
+        CLOSE_GRACE_S; a thread still running then is stuck, so what is left
+        fails here (:meth:`_give_up`). Returns the collectives failed that
+        way, e.g. ``["allreduce (round 3)"]``; [] normally."""
         with self._mutex:
             self._closing = True
             self._cancel_pending = cancel
             self._notify()
-        self._thread.join(timeout)
+        if timeout is not None:
+            self._thread.join(timeout)
+            return []
+        give_up = time.monotonic() + CLOSE_GRACE_S
+        while self._thread.is_alive():
+            give_up = max(give_up, self._latest_deadline() + CLOSE_GRACE_S)
+            left = give_up - time.monotonic()
+            if left <= 0:
+                return self._give_up()
+            self._thread.join(min(left, 0.5))
+        return []
+
+    def _works(self) -> list[Work]:
+        """Every Work queued or in flight (any thread: copies made in C, under
+        ``_mutex`` so none is between the submission queue and the next)."""
+        with self._mutex:
+            return ([run.work for run in list(self._active)] + list(self._waiting)
+                    + list(self._incoming))
+
+    def _latest_deadline(self) -> float:
+        return max((work.deadline for work in self._works()), default=0.0)
+
+    def _give_up(self) -> list[str]:
+        """close(): the thread is still running past every deadline plus the
+        grace (stuck in a call). Fail what is left from this thread, so no
+        waiter hangs, and have the thread cancel it too should it resume."""
+        with self._mutex:
+            self._cancel_pending = True
+            self._notify()
+        failed: list[str] = []
+        for work in self._works():
+            if not work.handle.done:
+                name = f"{work.collective} (round {work.seq})"
+                work.handle._complete(None, CommunicatorClosedError(
+                    f"{name}: still in flight {CLOSE_GRACE_S:g} s after its deadline, when "
+                    "close() gave up on it (the progress thread did not stop)"))
+                failed.append(name)
+        return failed
 
     def in_flight(self) -> int:
         """Collectives submitted and not finished (thread-safe enough: lengths)."""
@@ -363,10 +418,20 @@ class Engine:
             stats = dict(self._stats)
             for _, program in list(self._programs.values()):
                 _add_program_counts(stats, program, program.runs)
+            stats["completed"] -= self._checks_failed
+            stats["failed"] += self._checks_failed
         stats["in_flight"] = self.in_flight()
         stats["doorbell"] = self._bell is not None
         stats["bell_rings"] = self._bell.rings if self._bell is not None else 0
         return stats
+
+    def result_check_failed(self) -> None:
+        """A blocking call counted completed where it ran (inline, or the
+        shared-memory exchange) failed its result check on the caller's
+        thread (NaN in max/min): count it failed, as the engine counts such
+        a Work. Thread-safe; off the fast path (which has no check)."""
+        with self._counts_lock:
+            self._checks_failed += 1
 
     def _fold_program_counts(self) -> None:
         """Move the programs' run counts into the engine's own (before the
@@ -493,6 +558,8 @@ class Engine:
         if self._incoming:
             with self._mutex:
                 self._waiting.extend(self._incoming)
+                self._waiting_due = min(self._waiting_due,
+                                        min(work.deadline for work in self._incoming))
                 self._incoming.clear()
 
     def _turn(self) -> bool:
@@ -1111,15 +1178,65 @@ class Engine:
             self._break(dead)
 
     def _expire_waiting(self) -> None:
-        """Work that could not even start by its deadline (held back by the
-        sequence window or a group still being created) fails too."""
+        """Queued work past its own deadline (every one's: work behind the
+        head may have a shorter timeout) fails, and breaks the communicator
+        as an in-flight timeout does: it was never posted, so a peer's
+        matching native call would be matched by this rank's next one. Work
+        queued after it fails too, for the same reason; work before it may
+        still start, in order."""
         now = time.monotonic()
-        while self._waiting and now > self._waiting[0].deadline:
-            work = self._waiting.popleft()
-            self._fail_queued(work, CollectiveTimeoutError(
-                work.collective, work.seq, (),
-                f"timed out after {work.timeout:g} s before it could start (an earlier "
-                "collective or its group's set-up had not finished)"))
+        if now <= self._waiting_due:
+            return
+        expired, due = None, float("inf")
+        for k, work in enumerate(self._waiting):
+            if now > work.deadline and not work.patient:
+                expired = k
+                break
+            due = min(due, work.deadline)  # a patient Work's only grows
+        self._waiting_due = due  # of the Works before ``expired``: all that stay
+        if expired is None:
+            return
+        work = self._waiting[expired]
+        error = self._queued_timeout(work)
+        self.broken = self.broken or error
+        later = [self._waiting.pop() for _ in range(expired, len(self._waiting))]
+        later.reverse()  # submission order: ``work`` first
+        self._fail_queued(work, error)
+        for behind in later[1:]:
+            self._fail_queued(behind, CommunicatorClosedError(
+                f"{behind.collective} (round {behind.seq}): not started: the communicator "
+                f"broke before it could start, queued behind {work.collective} "
+                f"(round {work.seq}), which timed out unposted"))
+
+    def _queued_timeout(self, work: Work) -> CollectiveTimeoutError:
+        """The timeout of ``work``, which never left the queue: it names the
+        ranks that the collectives holding up the queue's head still wait
+        for (only the head is held by a started collective; the rest wait
+        behind it)."""
+        blockers = self._blockers(self._waiting[0])
+        ranks = sorted({r for run in blockers
+                        for r in waiting_ranks(run.stage.schedule.rank, run.ops, run.posted)})
+        behind = ", ".join(f"{run.work.collective} (round {run.work.seq}) in its "
+                           f"{stage_phase(run.stage)}" for run in blockers)
+        why = (f"it was queued behind {behind}" if behind else
+               "it was queued behind an earlier collective or its group's set-up")
+        waiting = (f", still waiting for messages from rank(s) {ranks}" if ranks else
+                   (", which waits for no message this rank can name" if behind else ""))
+        return CollectiveTimeoutError(
+            work.collective, work.seq, ranks,
+            f"timed out after {work.timeout:g} s before it could start: {why}{waiting}")
+
+    def _blockers(self, head: Work) -> list[_Run]:
+        """The started collectives that keep ``head`` (first in the queue)
+        from starting: those creating a group it needs, else the oldest in
+        its sequence space (the sequence window)."""
+        if head.requires:
+            missing = {g for g in head.requires if not self._transport.has_group(g)}
+            creating = [run for run in self._active if missing.intersection(run.work.creates)]
+            if creating:
+                return creating
+        same = [run for run in self._active if run.work.space == head.space]
+        return [min(same, key=lambda run: run.work.seq)] if same else []
 
     def _transport_failed(self, exc: TransportError) -> None:
         """MPI reported an error: if a peer is gone, that is what it means, and

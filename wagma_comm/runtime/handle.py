@@ -7,7 +7,7 @@ import time
 from _thread import allocate_lock
 from typing import Any, Callable
 
-from ..errors import CommunicatorClosedError, WaitTimeoutError
+from ..errors import CollectiveTimeoutError, CommunicatorClosedError, WaitTimeoutError
 
 # How long a waiter trusts the engine past the collective's own deadline before
 # concluding the progress thread itself is gone (it fails runs at the deadline).
@@ -108,10 +108,17 @@ class Handle:
                 )
         else:
             while not self._wait_done(0.5):
-                if not self._engine_alive() or time.monotonic() > self._deadline + _GRACE_S:
+                if not self._engine_alive():
                     raise CommunicatorClosedError(
                         f"{self.collective} (round {self.round}): the progress engine "
                         "stopped before completing it"
+                    )
+                if time.monotonic() > self._deadline + _GRACE_S:
+                    raise CollectiveTimeoutError(
+                        self.collective, self.round, (),
+                        f"not finished {_GRACE_S:g} s after its deadline, and the progress "
+                        "engine (still running) did not fail it: which ranks it waits for "
+                        "is unknown; treat the communicator as broken"
                     )
         if self._error is not None:
             raise self._error
