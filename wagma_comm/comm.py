@@ -489,7 +489,11 @@ class Communicator:
         """After the engine closed: free the MPI communicators (only once no
         thread can touch them) and stop the liveness monitor."""
         if not self._engine.alive():
-            self._transport.close()
+            # A call given up on with requests outstanding (a timeout, a
+            # cancel), or a broken communicator: peers' messages may still come.
+            abandoned = self._engine.abandoned()
+            late_messages = bool(abandoned) or self._engine.broken is not None
+            self._transport.close(keep=abandoned if late_messages else None)
         if self._monitor is not None:
             self._monitor.stop()
 

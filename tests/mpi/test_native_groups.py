@@ -83,44 +83,70 @@ def _late_partner_case(run_early: Callable[[wagma_comm.Communicator, int, Callab
         c.close(cancel=True)
 
 
+def _expire_queued_early(c: wagma_comm.Communicator, partner: int,
+                         release: Callable[[], None]) -> None:
+    """Rank 0: the second of three native calls times out queued behind the
+    group's set-up (the partner holds back); the set-up then finishes."""
+    first = np.full(4, 1.0, np.float32)
+    h1 = c.group_allreduce(first, 2, 0, "sum", algorithm="native", async_op=True)
+    h2 = c.group_allreduce(np.full(4, 2.0, np.float32), 2, 0, "sum",
+                           algorithm="native", async_op=True, timeout=1)
+    h3 = c.group_allreduce(np.full(4, 100.0, np.float32), 2, 0, "sum",
+                           algorithm="native", async_op=True)
+    with pytest.raises(wagma_comm.CollectiveTimeoutError,
+                       match="before it could start.*group set-up") as info:
+        h2.wait()
+    assert info.value.ranks == (partner,)
+    assert c.statistics()["broken"] is not None
+    with pytest.raises(wagma_comm.CommunicatorClosedError, match="round 1"):
+        h3.wait()
+    with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+        c.allreduce(np.ones(4, np.float32), async_op=True)
+    release()  # now the set-up may finish
+    h1.wait()
+    np.testing.assert_array_equal(first, np.full(4, 2.0, np.float32))
+
+
+def _expire_queued_late(c: wagma_comm.Communicator) -> None:
+    """The partner: all three calls posted; the two rank 0 skipped time out
+    (their messages stay with MPI, unmatched)."""
+    mine = [np.full(4, v, np.float32) for v in (1.0, 10.0, 1000.0)]
+    handles = [c.group_allreduce(x, 2, 0, "sum", algorithm="native", async_op=True,
+                                 timeout=1 if k else 20) for k, x in enumerate(mine)]
+    handles[0].wait()
+    np.testing.assert_array_equal(mine[0], np.full(4, 2.0, np.float32))
+    for h in handles[1:]:  # rank 0 never posts them: never a wrong sum
+        with pytest.raises(wagma_comm.CollectiveTimeoutError):
+            h.wait()
+
+
 def test_a_call_that_times_out_queued_breaks_the_communicator_and_names_the_ranks() -> None:
     """A native call that expires while queued behind its group's set-up was
     never posted: it breaks the communicator (as an in-flight timeout does)
     and names the partner the set-up waits for; the call queued behind it
     fails rather than being matched by MPI with the partner's skipped call.
     Before, nothing broke and the next call returned a wrong sum on both."""
-    first = np.full(4, 1.0, np.float32)
+    _late_partner_case(_expire_queued_early, _expire_queued_late)
 
-    def early(c: wagma_comm.Communicator, partner: int, release: Callable[[], None]) -> None:
-        h1 = c.group_allreduce(first, 2, 0, "sum", algorithm="native", async_op=True)
-        h2 = c.group_allreduce(np.full(4, 2.0, np.float32), 2, 0, "sum",
-                               algorithm="native", async_op=True, timeout=1)
-        h3 = c.group_allreduce(np.full(4, 100.0, np.float32), 2, 0, "sum",
-                               algorithm="native", async_op=True)
-        with pytest.raises(wagma_comm.CollectiveTimeoutError,
-                           match="before it could start.*group set-up") as info:
-            h2.wait()
-        assert info.value.ranks == (partner,)
-        assert c.statistics()["broken"] is not None
-        with pytest.raises(wagma_comm.CommunicatorClosedError, match="round 1"):
-            h3.wait()
-        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
-            c.allreduce(np.ones(4, np.float32), async_op=True)
-        release()  # now the set-up may finish
-        h1.wait()
-        np.testing.assert_array_equal(first, np.full(4, 2.0, np.float32))
 
-    def late(c: wagma_comm.Communicator) -> None:
-        mine = [np.full(4, v, np.float32) for v in (1.0, 10.0, 1000.0)]
-        handles = [c.group_allreduce(x, 2, 0, "sum", algorithm="native", async_op=True,
-                                     timeout=1 if k else 20) for k, x in enumerate(mine)]
-        handles[0].wait()
-        np.testing.assert_array_equal(mine[0], np.full(4, 2.0, np.float32))
-        for h in handles[1:]:  # rank 0 never posts them: never a wrong sum
-            with pytest.raises(wagma_comm.CollectiveTimeoutError):
-                h.wait()
-
-    _late_partner_case(early, late)
+def test_a_broken_communicators_contexts_are_never_reused() -> None:
+    """After the case above the partner's two skipped calls' messages are
+    still with MPI on rank 0. Had rank 0 freed its communicators, MPI would
+    hand their contexts to the next ones, and a native call over another
+    group of rank 0's would receive those messages: a wrong sum (25 of 25
+    elements wrong in the 8-rank stress test). A broken communicator's
+    contexts are kept instead."""
+    _late_partner_case(_expire_queued_early, _expire_queued_late)
+    c = wagma_comm.init(timeout=20)
+    try:
+        for step in range(1, 7):
+            x = np.full(5, (RANK + 1) * step, np.float32)
+            c.group_allreduce(x, 2, step, "sum", algorithm="native")
+            want = sum((r + 1) * step for r in c.group_of(2, step))
+            np.testing.assert_array_equal(x, np.full(5, want, np.float32))
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        c.close()
 
 
 def test_a_queued_call_fails_at_its_own_deadline_behind_a_longer_one() -> None:

@@ -408,6 +408,11 @@ class Engine:
                 failed.append(name)
         return failed
 
+    def abandoned(self) -> list[Any]:
+        """The buffers of calls given up on with requests outstanding (MPI may
+        still read or write them); for close(), once the thread stopped."""
+        return list(self._abandoned)
+
     def in_flight(self) -> int:
         """Collectives submitted and not finished (thread-safe enough: lengths)."""
         return (len(self._active) + len(self._incoming) + len(self._waiting)

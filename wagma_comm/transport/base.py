@@ -208,5 +208,9 @@ class Transport(ABC):
         """Cancel a pending receive and complete it (a listener being shut)."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Release communicators."""
+    def close(self, keep: list[Any] | None = None) -> None:
+        """Release communicators. ``keep`` (the communicator broke): a peer's
+        message for a call this rank gave up on may still arrive, and MPI may
+        still read or write the buffers in ``keep``; the communicators'
+        contexts (never freed, so never reused by a later communicator) and
+        those buffers stay referenced for the life of the process."""

@@ -28,7 +28,8 @@ from .shm import Segment
 # collective that failed or was never closed). Freeing one would let MPI give
 # its context to a later communicator, whose receives would then match those
 # messages (docs/partial.md, "Closing"); they are kept, unfreed, instead.
-_KEPT: list[MPI.Comm] = []
+# A broken communicator's communicators and abandoned buffers join them.
+_KEPT: list[Any] = []
 # (what a request still uses: its communicator or buffer, the request) of MPI
 # operations abandoned at their deadline: MPI cannot cancel a non-blocking
 # collective, and a receive may still land, so both stay referenced, unfreed.
@@ -359,13 +360,21 @@ class MPITransport(Transport):
         except MPI.Exception:
             pass
 
-    def close(self) -> None:
+    def close(self, keep: list[Any] | None = None) -> None:
         # Channels still open belong to persistent collectives that were never
         # closed: their peers' messages may still arrive, so they are kept.
         self.close_channels([name for name in self._comms if name not in CHANNELS],
                             free=False)
         comms = (list(self._groups.values()) + list(self._comms.values())
                  + [self._create_comm, self._base])
+        if keep is not None:
+            # A freed context id is reused by the next communicator MPI makes;
+            # a message a peer sent for a call given up on here (a timed-out
+            # native allreduce, a send of a cancelled round) would then be
+            # received by that communicator's calls: a wrong result.
+            _KEPT.extend(comms)
+            _KEPT.extend(keep)
+            comms = []
         for comm in comms:
             try:
                 comm.Free()
