@@ -45,6 +45,20 @@ def test_bad_knobs_raise_before_any_communication() -> None:
     assert make_method("ad_psgd").grace == 0.0  # type: ignore[attr-defined]
 
 
+def test_a_misspelt_knob_or_knobs_for_a_method_instance_are_refused_by_name() -> None:
+    """Both reach make_method through Averager/DistributedOptimizer's
+    ``**knobs``: a misspelt knob was a bare TypeError, and knobs next to a
+    Method instance were ignored silently."""
+    with pytest.raises(InvalidArgumentError, match="sync_evry: not a knob") as info:
+        make_method("wagma", sync_evry=5)
+    assert info.value.argument == "sync_evry"
+    with pytest.raises(InvalidArgumentError, match="sync_every: a LocalSGD instance") as info:
+        make_method(LocalSGD(4), sync_every=8)
+    assert info.value.argument == "sync_every"
+    m = LocalSGD(4)
+    assert make_method(m) is m
+
+
 def test_local_sgd_communicates_every_period() -> None:
     m = LocalSGD(4)
     assert [t for t in range(12) if m.communicates(t)] == [3, 7, 11]

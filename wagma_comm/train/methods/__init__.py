@@ -29,34 +29,49 @@ METHODS: tuple[str, ...] = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "m
                             "wagma", "ad_psgd")
 
 
-def make_method(name: str | Method, *, group_size: int | None = None, sync_every: int = 10,
-                activation: str = "global", normalization: str = "wagma",
-                round_start: str = "publish", grace: float = WAGMA_GRACE, seed: int = 0,
-                mpi_comm: Any = None) -> Method:
-    """A method by name, with the knobs that apply to it (the others are ignored,
-    so one set of options can drive every method). A :class:`Method` instance
-    is returned as is. Knob errors are raised here, before any communication."""
+# Every knob make_method takes, with its default.
+KNOBS: dict[str, Any] = {"group_size": None, "sync_every": 10, "activation": "global",
+                         "normalization": "wagma", "round_start": "publish",
+                         "grace": WAGMA_GRACE, "seed": 0, "mpi_comm": None}
+
+
+def make_method(name: str | Method, **knobs: Any) -> Method:
+    """A method by name, with the knobs (:data:`KNOBS`) that apply to it (the
+    others are ignored, so one set of options can drive every method). A
+    :class:`Method` instance is returned as is, and takes no knobs (it was
+    built with its own). Knob errors, a misspelt name included, are raised
+    here as InvalidArgumentError naming the knob, before any communication."""
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise InvalidArgumentError(unknown[0], f"not a knob of any method; the knobs are "
+                                   f"{sorted(KNOBS)}")
     if isinstance(name, Method):
+        if knobs:
+            raise InvalidArgumentError(sorted(knobs)[0], f"a {type(name).__name__} instance "
+                                       "was built with its own knobs; pass them to its "
+                                       "constructor, or give the method by name")
         return name
+    k = {**KNOBS, **knobs}
     if name == "allreduce":
         return AllreduceSGD()
     if name == "local_sgd":
-        return LocalSGD(sync_every)
+        return LocalSGD(k["sync_every"])
     if name == "dpsgd":
-        return DPSGD(mpi_comm)
+        return DPSGD(k["mpi_comm"])
     if name == "sgp":
-        return SGP(mpi_comm)
+        return SGP(k["mpi_comm"])
     if name in ("solo", "majority"):
-        return EagerSGD(name, sync_every, seed)
+        return EagerSGD(name, k["sync_every"], k["seed"])
     if name == "wagma":
-        return WagmaSGD(group_size, sync_every, activation=activation,
-                        normalization=normalization, round_start=round_start, grace=grace)
+        return WagmaSGD(k["group_size"], k["sync_every"], activation=k["activation"],
+                        normalization=k["normalization"], round_start=k["round_start"],
+                        grace=k["grace"])
     if name == "ad_psgd":
         return ADPSGD()
     raise InvalidArgumentError("method", f"unknown method {name!r}; expected one of "
                                f"{list(METHODS)} or a Method instance")
 
 
-__all__ = ["METHODS", "make_method", "Method", "AveragingInfo", "MODEL", "GRADIENTS",
+__all__ = ["METHODS", "KNOBS", "make_method", "Method", "AveragingInfo", "MODEL", "GRADIENTS",
            "AllreduceSGD", "EagerSGD", "LocalSGD", "WagmaSGD", "ADPSGD", "DPSGD", "SGP",
            "default_group_size", "ring_neighbours", "sgp_peers"]
