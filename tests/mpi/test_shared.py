@@ -7,6 +7,7 @@ missing rank, close(cancel=True) and the typed errors of an explicit
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -368,6 +369,134 @@ def test_a_call_behind_one_with_a_longer_timeout_fails_at_its_own_deadline() -> 
             for handle in pending:
                 with pytest.raises(wagma_comm.WagmaError):
                     handle.wait()
+
+
+def test_a_call_behind_queued_pieces_of_a_longer_call_fails_at_its_own_deadline() -> None:
+    """A non-blocking call of more pieces than row sets, with a long timeout,
+    that nobody joins keeps pieces queued; a blocking call with a short
+    timeout publishes that queue first at its post, and must still fail at
+    its own deadline naming its own round (it waited for the first call's
+    deadline, and named that call's round)."""
+    with own_communicator(30, "a missing rank needs two ranks") as c:
+        if RANK == 0:
+            per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+            handle = c.allreduce(np.ones((DEPTH + 2) * per_row), async_op=True, timeout=5.0,
+                                 algorithm=SHARED)
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.allreduce(np.ones(4), timeout=0.5)
+            assert time.monotonic() - start < 3.0
+            assert info.value.round == 1 and 1 in info.value.ranks
+            with pytest.raises(wagma_comm.WagmaError):
+                handle.wait()
+
+
+def test_wait_with_a_timeout_keeps_it_while_another_thread_posts() -> None:
+    """Another thread's post holds the queue of a call with pieces still to
+    publish, waiting for late peers; ``wait(timeout=)`` on that call must
+    still return at its timeout (it waited for the post to finish)."""
+    with own_communicator(30, "a late rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        x = np.full((DEPTH + 2) * per_row, RANK + 1.0)
+        if RANK != 0:
+            time.sleep(2.0)
+        handle = c.allreduce(x, async_op=True, algorithm=SHARED)
+        y = np.full(4, RANK + 1.0)
+        if RANK == 0:
+            poster = threading.Thread(target=c.allreduce, args=(y,))
+            poster.start()
+            time.sleep(0.3)  # its post publishes x's queue, waiting for the others
+            start = time.monotonic()
+            with pytest.raises(wagma_comm.WaitTimeoutError):
+                handle.wait(timeout=0.2)
+            assert time.monotonic() - start < 1.0
+            poster.join()
+        else:
+            c.allreduce(y)
+        assert handle.wait() is x
+        total = SIZE * (SIZE + 1) / 2
+        np.testing.assert_array_equal(x, np.full(x.size, total))
+        np.testing.assert_array_equal(y, np.full(4, total))
+
+
+def test_a_waiter_and_a_post_on_another_thread_do_not_wait_for_each_other() -> None:
+    """A thread waits for a call whose last piece is still queued while
+    another thread's post, waiting for a late peer, publishes that queue:
+    the post publishes the piece and then, DEPTH pieces on, must finish it
+    (its row set comes round again). The waiter held the piece's lock while
+    it waited for the post's, and the post waited for the piece's: both
+    until the deadline, which then broke the communicator."""
+    with own_communicator(20, "a late rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        x = np.full((DEPTH + 2) * per_row, RANK + 1.0)  # pieces 0-5: 4 and 5 queued
+        y = np.full(DEPTH * per_row, RANK + 2.0)  # pieces 6-9: 9 follows 5 on its set
+        if RANK != 0:
+            time.sleep(1.5)
+        start = time.monotonic()
+        handle = c.allreduce(x, async_op=True, algorithm=SHARED)
+        if RANK == 0:
+            errors: list[BaseException] = []
+
+            def post() -> None:
+                try:
+                    c.allreduce(y, algorithm=SHARED)
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+            poster = threading.Thread(target=post)
+            poster.start()
+            time.sleep(0.3)  # its post holds the queue, waiting for the others
+            assert handle.wait() is x
+            poster.join()
+            assert not errors, errors
+        else:
+            c.allreduce(y, algorithm=SHARED)
+            handle.wait()
+        assert time.monotonic() - start < 10.0
+        total = SIZE * (SIZE + 1) / 2
+        np.testing.assert_array_equal(x, np.full(x.size, total))
+        np.testing.assert_array_equal(y, np.full(y.size, total + SIZE))
+
+
+def test_a_second_waiter_with_a_timeout_beyond_a_lock_wait_is_served() -> None:
+    """A timeout of 1e10 s is valid; a second thread waiting for the same
+    call waits for the first one's lock until the deadline, which must not
+    exceed what a lock wait takes (it raised OverflowError)."""
+    with own_communicator(1e10, "a late rank needs two ranks") as c:
+        if RANK != 0:
+            time.sleep(1.0)
+        x = np.full(4, RANK + 1.0)
+        handle = c.allreduce(x, async_op=True)
+        if RANK == 0:
+            waiter = threading.Thread(target=handle.wait)
+            waiter.start()
+            time.sleep(0.2)  # the waiter holds the call
+            assert handle.wait() is x
+            waiter.join()
+        assert handle.wait() is x
+        np.testing.assert_array_equal(x, np.full(4, SIZE * (SIZE + 1) / 2))
+
+
+def test_the_watchdog_logs_one_line_for_a_call_of_many_pieces(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-blocking call of DEPTH pieces whose peers are late: the progress
+    thread polls every piece, and the watchdog must still log the call once
+    (it logged one line per piece)."""
+    monkeypatch.setenv("WAGMA_WATCHDOG_S", "0.5")  # read when the engine starts
+    with own_communicator(30, "a late rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        x = np.full(DEPTH * per_row, RANK + 1.0)
+        with caplog.at_level(logging.WARNING, logger="wagma_comm"):
+            if RANK != 0:
+                time.sleep(2.0)
+            handle = c.allreduce(x, async_op=True, algorithm=SHARED)
+            if RANK == 0:
+                time.sleep(1.8)  # no wait: the progress thread polls the pieces
+            handle.wait()
+        np.testing.assert_array_equal(x, np.full(x.size, SIZE * (SIZE + 1) / 2))
+        if RANK == 0:
+            lines = [r.getMessage() for r in caplog.records if r.name == "wagma_comm"]
+            assert len(lines) == 1, lines
+            assert "allreduce (round 0) in flight for" in lines[0]
 
 
 def test_nan_with_max_raises_on_every_rank_after_the_exchange(

@@ -196,6 +196,12 @@ class _SplitPlan(_Plan):
             for i, q in enumerate(call.members) if i != mine]
 
 
+def _lock_timeout(until: float) -> float:
+    """A lock's wait until ``until``: at most threading.TIMEOUT_MAX (a valid
+    timeout such as 1e10 s would make acquire() raise OverflowError)."""
+    return min(threading.TIMEOUT_MAX, max(0.0, until - time.monotonic()))
+
+
 def _copied_at_post(index: int, end_bytes: int) -> bool:
     """Whether a non-blocking post publishes its piece ``index`` (ending
     ``end_bytes`` into the buffer) itself rather than queue it."""
@@ -276,7 +282,9 @@ class SharedExchange:
                 (offset, min(per, call.count - offset))
                 for offset in range(0, call.count, per)) or ((0, 0),)
         with self._post_lock:
-            self._publish_queued(None)  # indices are published in order
+            # Indices are published in order; the waits for earlier calls'
+            # queued pieces are this call's, ending at its own deadline.
+            self._publish_queued(None, behalf=(call.collective, seq, deadline))
             self._calls += 1
             if len(pieces) == 1:
                 pending = self._reserve(seq, call, data, pieces[0][1], deadline, timeout)
@@ -290,6 +298,8 @@ class SharedExchange:
                                       timeout, counted=i == last)
                         for i, (offset, length) in enumerate(pieces)]
             reserved[last].earlier = reserved[:last]
+            for piece in reserved[:last]:
+                piece.whole = reserved[last]  # one watchdog line for the call
             itemsize = call.dtype.itemsize
             for i, (pending, (offset, length)) in enumerate(zip(reserved, pieces)):
                 if lazy and not _copied_at_post(i, (offset + length) * itemsize):
@@ -317,7 +327,11 @@ class SharedExchange:
         """Publish the queued pieces up to ``pending`` (None: all of them);
         False at ``until``, or at once if another thread is publishing and
         not ``wait_turn``."""
-        if not self._post_lock.acquire(wait_turn):
+        # Until ``until`` at most: another thread's post may hold the lock
+        # while it waits for late peers, and wait(timeout=) keeps its timeout.
+        lock = self._post_lock
+        if not (lock.acquire(False)  # the common case, without a timed acquire's cost
+                or wait_turn and lock.acquire(timeout=_lock_timeout(until))):
             return False
         try:
             return self._publish_queued(pending, until, wait_turn)
@@ -325,24 +339,33 @@ class SharedExchange:
             self._post_lock.release()
 
     def _publish_queued(self, through: "Pending | None", until: float | None = None,
-                        wait_turn: bool = True) -> bool:
+                        wait_turn: bool = True,
+                        behalf: tuple[str, int, float] | None = None) -> bool:
         """Publish queued pieces in order, all or up to ``through``
-        (``_post_lock`` held); False at ``until``."""
+        (``_post_lock`` held); False at ``until``. ``behalf``: as for
+        :meth:`_publish`."""
         queue = self._queue
         while queue and not (through is not None and through.published):
-            if not self._publish(queue[0], until, wait_turn):  # (drops a failed one)
+            if not self._publish(queue[0], until, wait_turn, behalf):  # (drops a failed one)
                 return False
             queue.popleft()
         return True
 
-    def _publish(self, pending: "Pending", until: float | None, wait_turn: bool = True) -> bool:
+    def _publish(self, pending: "Pending", until: float | None, wait_turn: bool = True,
+                 behalf: tuple[str, int, float] | None = None) -> bool:
         """Step 1 for one reserved piece; False at ``until`` if the members
         of the piece DEPTH earlier have not all read this rank's row (or, not
-        ``wait_turn``, another thread is finishing that piece)."""
-        call, plan, k, seq = pending.call, pending.plan, pending.k, pending.seq
+        ``wait_turn``, another thread is finishing that piece). ``behalf``:
+        the (collective, round, deadline) of a later call whose post
+        publishes this queued piece: its waits end at that deadline too, and
+        their errors name that call (the one that raises them)."""
+        call, plan, k = pending.call, pending.plan, pending.k
         data = pending.data  # None: it finished (failed) unpublished, so it is dropped
         if data is None:
             return True
+        collective, seq, deadline = (
+            (call.collective, pending.seq, pending.deadline) if behalf is None
+            else (behalf[0], behalf[1], min(behalf[2], pending.deadline)))
         row_set = k % DEPTH
         previous = self._last[row_set]
         if previous is not None:
@@ -350,17 +373,17 @@ class SharedExchange:
                 # Bounded by this call's deadline too: an earlier call may have
                 # a longer timeout than this one.
                 if not previous.finished and not previous.complete(
-                        min(previous.deadline, pending.deadline) if until is None else until,
+                        min(previous.deadline, deadline) if until is None else until,
                         False, wait_turn):
-                    if until is not None and time.monotonic() <= pending.deadline:
+                    if until is not None and time.monotonic() <= deadline:
                         return False
                     raise CollectiveTimeoutError(
-                        call.collective, seq, self._missing(
+                        collective, seq, self._missing(
                             previous.plan.arrive, previous.plan.sources, previous.k + 1, 0),
                         f"round {previous.seq} before it on this rank's row set did not "
                         "finish in time (shared-memory exchange)")
                 if not self.wait(previous.plan.done, previous.call.members, previous.k + 1,
-                                 pending.deadline, call.collective, seq,
+                                 deadline, collective, seq,
                                  f"they had not yet read this rank's part of round "
                                  f"{previous.seq} (shared-memory exchange)", until,
                                  pending):
@@ -531,11 +554,15 @@ class SharedExchange:
         (runtime/watch.py): the watchdog line once, and dead members."""
         watch = self._watch
         missing = self._missing(indices, ranks, want, first)
+        if watched is not None:
+            watched = watched.whole  # its call's line, once for all its pieces
         if (watched is not None and not watched.warned
                 and watch.overdue(watched.deadline, watched.timeout, now)):
             watched.warned = True
-            watch.warn(collective, seq, watched.deadline, watched.timeout, now,
-                       "shared-memory exchange", missing)
+            # The line is about the watched call (a later call's post may be
+            # waiting for it: collective and seq then name the poster).
+            watch.warn(watched.call.collective, watched.seq, watched.deadline,
+                       watched.timeout, now, "shared-memory exchange", missing)
         rank_failed = watch.dead_among(missing)
         if rank_failed is not None:
             raise rank_failed(collective, seq)
@@ -548,7 +575,7 @@ class Pending:
 
     __slots__ = ("exchange", "k", "seq", "call", "plan", "data", "deadline", "timeout",
                  "finished", "error", "handle", "value", "on_done", "warned", "looked",
-                 "earlier", "counted", "published", "abandoned", "_lock")
+                 "earlier", "counted", "published", "abandoned", "whole", "_lock")
 
     def __init__(self, exchange: SharedExchange, k: int, seq: int, call: SharedCall,
                  plan: _Plan, data: np.ndarray, deadline: float, timeout: float) -> None:
@@ -567,24 +594,34 @@ class Pending:
         self.counted = True  # counts as a call in statistics (a call's last piece)
         self.published = False  # its row and arrive word are written (step 1)
         self.abandoned: WagmaError | None = None  # its call failed: reduce nothing
+        self.whole: Pending = self  # the call's last piece: its ``warned`` is the call's
         self._lock = threading.Lock()  # one completer: a waiter, a later post, close
 
     def complete(self, until: float, raise_error: bool = True, wait_turn: bool = True) -> bool:
         """Wait for every member's row until ``until``; reduce them into the
         buffer. True once finished; raises its error (``raise_error``).
         ``wait_turn=False``: False at once if another thread is finishing it."""
+        # Published first (and every piece before it): a piece that fails
+        # must still have its row and words out, or its peers would wait for
+        # them. Before taking this piece's lock: a post holding the queue's
+        # lock may publish this piece and, DEPTH pieces on, wait for its
+        # lock, which a waiter holding it while waiting for the queue's lock
+        # would keep from it until the deadline.
+        published_error: WagmaError | None = None
+        if not (self.finished or self.published):
+            try:
+                if not self.exchange.publish_through(self, until, wait_turn):
+                    return False
+            except WagmaError as exc:
+                published_error = exc  # recorded as its error, under its lock
         if not self._take_turn(until, wait_turn):
             return False
         try:
             if not self.finished:
                 try:
-                    # Published first (and every piece before it): a piece that
-                    # fails must still have its row and words out, or its peers
-                    # would wait for them.
-                    if not ((self.published
-                             or self.exchange.publish_through(self, until, wait_turn))
-                            and self._earlier_finished(until, wait_turn)
-                            and self._run(until)):
+                    if published_error is not None:
+                        raise published_error
+                    if not (self._earlier_finished(until, wait_turn) and self._run(until)):
                         return False
                     if self.on_done is not None:
                         self.on_done()
@@ -606,7 +643,7 @@ class Pending:
         (A timed acquire costs 0.6 us even when the lock is free.)"""
         if self._lock.acquire(False):
             return True
-        return wait_turn and self._lock.acquire(timeout=max(0.0, until - time.monotonic()))
+        return wait_turn and self._lock.acquire(timeout=_lock_timeout(until))
 
     def abandon(self, error: WagmaError) -> None:
         """Its call failed: never reduce into the caller's buffer now. Failed
