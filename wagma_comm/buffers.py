@@ -11,6 +11,7 @@ argument and what was expected.
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,10 @@ def as_buffer(
         )
     if type(obj) is np.ndarray:
         return _from_numpy(obj, argument, writable)
+    if isinstance(obj, np.ndarray):  # np.memmap, np.matrix, ...: see _from_numpy_subclass
+        return _from_numpy_subclass(obj, argument, writable)
+    if writable:
+        _refuse_immutable(obj, argument)
     dev_type, dev_id = _device_of(obj, argument)
     if dev_type not in _HOST_DEVICES:
         name = _DEVICE_NAMES.get(dev_type, f"device type {dev_type}")
@@ -196,6 +201,37 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
             argument, "buffer is read-only but the collective writes its result in place"
         )
     return Buffer(arr, arr, None, arr.size, dtype, arr.shape, "cpu", 0)
+
+
+def _from_numpy_subclass(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
+    """An ndarray subclass is read like an ndarray: through DLPack, NumPy
+    refuses bfloat16 (so a bfloat16 ``np.memmap`` was refused although NumPy
+    bfloat16 arrays are supported). A masked array is refused: the reduction
+    would combine the values under its mask as if they were data."""
+    ma = sys.modules.get("numpy.ma")  # not imported: no masked array exists
+    if ma is not None and isinstance(arr, ma.MaskedArray):
+        raise BufferError(argument, "masked arrays are not supported (the mask would be "
+                          "ignored and masked values reduced); pass arr.filled(...) or "
+                          "arr.data")
+    return _from_numpy(arr, argument, writable)
+
+
+def is_jax_array(obj: Any) -> bool:
+    """Whether ``obj`` is a JAX array (by its type's package: no JAX import)."""
+    return type(obj).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _refuse_immutable(obj: Any, argument: str) -> None:
+    """JAX arrays are immutable, yet JAX exports them through DLPack (a legacy,
+    unversioned capsule) without the read-only flag: writing the result in
+    place would change an array JAX assumes constant (a jitted function that
+    captured it keeps the old values; ``np.asarray(x)`` is read-only). The
+    training layer never writes them (train/bucket.py); refuse them here as
+    read-only too."""
+    if is_jax_array(obj):
+        raise BufferError(argument, "buffer is read-only (JAX arrays are immutable) but the "
+                          "collective writes its result in place; pass a writable copy "
+                          "(np.array(x)) and convert the result back (jnp.asarray)")
 
 
 def _refuse_lazy_negation(obj: Any, argument: str) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +103,53 @@ class _CudaExporter:
 
 def test_gpu_buffer_without_gpu_transport() -> None:
     _raises(_CudaExporter(), UnsupportedError, "no GPU transport")
+
+
+def test_jax_arrays_are_refused_as_read_only() -> None:
+    """JAX arrays are immutable but JAX's DLPack export carries no read-only
+    flag: intake must not hand their memory to a collective that writes in
+    place (it did: a jitted function that captured the array then disagreed
+    with the array itself). Reading them (writable=False) stays allowed."""
+    pytest.importorskip("jax")
+    # In a child process: JAX starts threads, and later tests in this
+    # process fork (tests/unit/test_shm_board.py).
+    code = (
+        "import jax.numpy as jnp\n"
+        "from wagma_comm.buffers import as_buffer\n"
+        "from wagma_comm.errors import BufferError\n"
+        "x = jnp.arange(4, dtype=jnp.float32)\n"
+        "try:\n"
+        "    as_buffer(x, 'buf')\n"
+        "except BufferError as e:\n"
+        "    assert e.argument == 'buf' and 'read-only' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('accepted a JAX array as writable')\n"
+        "b = as_buffer(x, 'grads', writable=False)\n"
+        "assert b.count == 4 and b.host_array().tolist() == [0, 1, 2, 3]\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_bfloat16_ndarray_subclass_is_accepted(tmp_path: Path) -> None:
+    """An ndarray subclass (np.memmap here) of bfloat16 is a NumPy bfloat16
+    array, which the docs accept; through DLPack NumPy refuses bfloat16, so
+    intake must read the array's own metadata as for a plain ndarray."""
+    m = np.memmap(str(tmp_path / "m.bin"), dtype=dtypes.BFLOAT16.numpy, mode="w+", shape=(2, 3))
+    m[:] = 1.5
+    b = as_buffer(m, "grads")
+    assert (b.dtype, b.count, b.shape) == (dtypes.BFLOAT16, 6, (2, 3))
+    assert b.ptr == m.ctypes.data
+    assert b.host_array().tolist() == [0x3FC0] * 6  # 1.5 in bfloat16
+    b.host_array()[:] = 0x4000  # 2.0: writes land in the memmap
+    assert m.astype(np.float32).tolist() == [[2.0] * 3] * 2
+    ro = np.memmap(str(tmp_path / "m.bin"), dtype=np.float32, mode="r", shape=(3,))
+    _raises(ro, BufferError, "read-only")
+    _raises(np.ones((3, 4), np.float32).view(np.memmap)[:, 1], BufferError, "C-contiguous")
+
+
+def test_masked_array_is_refused() -> None:
+    """A masked array would be reduced as its raw data, masked values included."""
+    a = np.ma.masked_array(np.ones(4, np.float32), mask=[0, 1, 0, 0])
+    _raises(a, BufferError, "masked")

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import dtypes
-from ..buffers import DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, as_buffer
+from ..buffers import DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED, as_buffer, is_jax_array
 from ..errors import BufferError, InvalidArgumentError, UnsupportedError
 from ..torch_views import torch_of
 from .specs import TensorSpec, bucket_sizes, check_names, layout
@@ -119,7 +119,7 @@ class DeviceView:
         except ImportError:
             raise UnsupportedError(argument, "device tensors (and device buckets) go through "
                                    "PyTorch (torch.from_dlpack), which is not installed") from None
-        if writable and type(obj).__module__.split(".")[0] in ("jax", "jaxlib"):
+        if writable and is_jax_array(obj):
             raise BufferError(argument, "JAX arrays are immutable; use the copying API: "
                               "Averager.average(..., copy=True)")
         tensor = obj if isinstance(obj, torch.Tensor) else torch.from_dlpack(obj)
