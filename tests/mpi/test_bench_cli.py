@@ -130,3 +130,108 @@ def test_cuda_device_is_refused_before_communicating() -> None:
 
     with pytest.raises(UnsupportedError, match="--device"):
         _bench(["allreduce", "--device", "cuda"])
+
+
+def _factor(res: dict[str, Any]) -> float:
+    return res["busbw"] / res["algbw"]
+
+
+def test_busbw_factor_is_that_of_the_ranks_each_call_spans(shared_dir: str) -> None:
+    """nccl-tests' factor per implementation: in a group_allreduce row our
+    global allreduce spans every rank, as does each peer's allreduce in a
+    wait_avoiding row; the group calls span the group."""
+    ga = os.path.join(shared_dir, "busbw-group.json")
+    wa = os.path.join(shared_dir, "busbw-wait.json")
+    assert _bench(["group_allreduce", "-b", "64K", "-e", "64K", "-n", "2", "-r", "1",
+                   "-w", "1", "--vs", "mpi", "--json", ga]) == 0
+    assert _bench(["wait_avoiding", "-b", "64K", "-e", "64K", "-n", "2", "-r", "1",
+                   "-w", "1", "--vs", "mpi", "--json", wa]) == 0
+    if RANK != 0:
+        return
+    world = bench_cli.busbw_factor("allreduce", SIZE)
+    (row,) = _load(ga)["rows"]
+    group = bench_cli.busbw_factor("group_allreduce", row["group_size"])
+    res = row["results"]
+    assert _factor(res["wagma-global"]) == pytest.approx(world)
+    assert _factor(res["wagma"]) == pytest.approx(group)
+    assert _factor(res["mpi"]) == pytest.approx(group)
+    (row,) = _load(wa)["rows"]
+    res = row["results"]
+    assert _factor(res["mpi"]) == pytest.approx(world)
+    assert _factor(res["wagma-blocking-group"]) == pytest.approx(group)
+
+
+def test_global_allreduce_beside_a_group_one_is_checked(shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "global-checked.json")
+    assert _bench(["group_allreduce", "-b", "64", "-e", "64", "-n", "2", "-r", "1",
+                   "--vs", "none", "--json", path]) == 0
+    if RANK == 0:
+        (row,) = _load(path)["rows"]
+        assert row["results"]["wagma-global"]["wrong"] == 0
+
+
+def test_summary_gives_no_verdict_on_unchecked_results() -> None:
+    """-c 0 (or solo/majority/wait_avoiding, which -c does not cover) must not
+    print 'results checked: 0 wrong elements PASS'."""
+    from wagma_comm.bench import report
+
+    def row(wrong: int) -> bench_cli.Row:
+        r = bench_cli.Row("allreduce", 64, 16, "float32", "sum", SIZE)
+        r.results["wagma"] = {"time_us": 1.0, "min_us": 1.0, "max_us": 1.0, "algbw": 1.0,
+                              "busbw": 1.0, "wrong": wrong}
+        return r
+
+    text = report.summary([row(-1), row(-1)])
+    assert "PASS" not in text and "not checked" in text
+    assert "0 wrong elements in 1 checked results; 1 timed only" in report.summary(
+        [row(0), row(-1)])
+    assert "FAIL" in report.summary([row(3)])
+
+
+def test_partial_collectives_peers_run_the_rows_op(comm: Communicator) -> None:
+    """A wait_avoiding row says avg: the peers' allreduce must average too."""
+    from wagma_comm import groups
+    from wagma_comm.bench import check
+    from wagma_comm.bench.peers import close_peers, make_peers
+
+    dtype = dtypes.lookup("float32")
+    args = build_parser().parse_args(["bench", "wait_avoiding", "--vs", "mpi"])
+    gsize = max(1, SIZE // 2)
+    peers = make_peers(["mpi"], WORLD)
+    ctx = bench_cli.Context(args, comm, WORLD, dtype, peers,
+                            list(groups.group_of(RANK, SIZE, gsize, 0)),
+                            [list(g) for g in groups.partition(SIZE, gsize, 0)], gsize)
+    mem = bench_cli.Memory(bench_cli.pattern(RANK, 16, dtype).copy(), dtype, "cpu")
+    impls, closers = bench_cli._impls("wait_avoiding", ctx, mem)
+    try:
+        impls["mpi"]()
+        expected = check.expected_result("allreduce", range(SIZE), 16, "avg")
+        assert check.count_wrong(mem.read(), dtype, expected) == 0
+    finally:
+        for close in closers:
+            close()
+        close_peers(peers)
+
+
+def test_peer_that_cannot_run_is_named(shared_dir: str, capsys: Any) -> None:
+    assert _bench(["allreduce", "-b", "8", "-e", "8", "-n", "2", "-r", "1", "-d",
+                   "float16", "--vs", "mpi"]) == 0
+    out = capsys.readouterr().out
+    if RANK == 0:
+        assert "# peer mpi skipped for allreduce: MPI cannot reduce float16" in out
+
+
+def test_overlap_honours_vs_none(shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "overlap-none.json")
+    assert _bench(["overlap", "-b", "1K", "-e", "1K", "-n", "2", "-r", "1", "-w", "1",
+                   "--vs", "none", "--json", path]) == 0
+    if RANK == 0:
+        assert {r["impl"] for r in _load(path)["overlap"]} == {"wagma"}
+
+
+@pytest.mark.parametrize("flag", ["--csv", "--plot"])
+def test_overlap_refuses_outputs_it_does_not_write(flag: str) -> None:
+    from wagma_comm.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=flag):
+        _bench(["overlap", flag, "out.png" if flag == "--plot" else "out.csv"])

@@ -115,6 +115,17 @@ def busbw_factor(collective: str, n: int) -> float:
     return 2.0 * (n - 1) / n
 
 
+def ranks_spanned(collective: str, impl: str, group: int, world: int) -> int:
+    """The n of ``impl``'s busbw factor: the ranks its call reduces over. In
+    a group collective's row, our global allreduce (``wagma-global``) spans the
+    world; in a wait_avoiding row so does each peer's allreduce."""
+    if collective == "group_allreduce":
+        return world if impl == "wagma-global" else group
+    if collective == "wait_avoiding":
+        return group if impl in ("wagma", "wagma-blocking-group") else world
+    return world
+
+
 def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:
     """This rank's input as the storage view the collectives and peers share."""
     return check.pattern(rank, count, dtype).view(dtype.storage)
@@ -219,7 +230,7 @@ def _impls(coll: str, ctx: Context, mem: Memory
             partial = make(arr, args.sync_every, op=op)
             impls["wagma-allreduce"] = lambda: comm.allreduce(arr, op)
         impls = {"wagma": lambda: partial.step(arr), **impls}
-        impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, "sum")))
+        impls.update(_peer_calls(ctx, lambda p: p.allreduce(arr, op)))  # the row's op
         closers.append(lambda: (partial.flush(), partial.close()))  # nothing left pending
     return impls, closers
 
@@ -242,12 +253,14 @@ def _check(coll: str, ctx: Context, mem: Memory,
     expected = check.expected_result(coll, members, count, ctx.args.op, ctx.args.root)
     wrong = {}
     for name, call in impls.items():
-        if name == "wagma-global":
-            continue
+        want = expected
+        if name == "wagma-global":  # the global allreduce timed beside a group one
+            want = check.expected_result("allreduce", range(ctx.comm.size), count,
+                                         ctx.args.op)
         mem.load(pattern(ctx.comm.rank, count, ctx.dtype))
         call()
         mem.sync()
-        wrong[name] = ctx.world.allreduce(check.count_wrong(mem.read(), ctx.dtype, expected))
+        wrong[name] = ctx.world.allreduce(check.count_wrong(mem.read(), ctx.dtype, want))
     return wrong
 
 
@@ -265,14 +278,19 @@ def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]
         impls, closers = _impls(coll, ctx, mem)
         row = Row(coll, count * dtype.itemsize, count, dtype.name,
                   effective_op(coll, args.op), members)
+        if ctx.comm.rank == 0 and not rows:  # a peer asked for but not in the table: why
+            for peer in ctx.peers:
+                if peer.reason is None and peer.name not in impls:
+                    why = peer.why_not(mem.arr, None if coll == "broadcast" else row.op)
+                    _emit(progress, f"# peer {peer.name} skipped for {coll}: {why}")
         wrong = _check(coll, ctx, mem, impls)
         mem.load(pattern(ctx.comm.rank, count, dtype))
         timings = side_by_side(impls, iterations_for(row.nbytes, args.iters), args.warmup,
                                args.rounds, ctx.world, mem.sync)
         for close in closers:
             close()
-        factor = busbw_factor(coll, members)
         for name, t in timings.items():
+            factor = busbw_factor(coll, ranks_spanned(coll, name, members, ctx.comm.size))
             algbw = row.nbytes / t.avg / 1e9
             row.results[name] = {"time_us": t.avg * 1e6, "min_us": t.min * 1e6,
                                  "max_us": t.max * 1e6, "algbw": algbw,
@@ -312,6 +330,18 @@ def _check_device(device: str, collective: str) -> None:
         raise UnsupportedError("--device", "the overlap benchmark runs on host memory")
 
 
+def _check_overlap_options(args: argparse.Namespace) -> None:
+    """Refused before any communication: outputs the overlap benchmark does not
+    write (it has no bandwidth sweep to put in a CSV or a plot)."""
+    from ..errors import UnsupportedError
+
+    if args.collective != "overlap":
+        return
+    for flag, value in (("--csv", args.csv), ("--plot", args.plot)):
+        if value:
+            raise UnsupportedError(flag, "the overlap benchmark writes --json only")
+
+
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -325,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("wagma bench: 'imbalance' has options of its own; write it right "
                          "after 'bench': wagma bench imbalance [options]")
     _check_device(args.device, args.collective)
+    _check_overlap_options(args)
     world = MPI.COMM_WORLD
     dtype = dtypes.lookup(args.dtype, "--dtype")
     dtypes.check_op(args.op, "--op")
@@ -366,10 +397,18 @@ def _run_overlap(ctx: Context, sizes: list[int]) -> int:
     from . import overlap
 
     args = ctx.args
+    # MPI_Iallreduce is the one peer with an overlap measure: timed when --vs
+    # names mpi (or mpi-nb), left out with --vs none.
+    names = [p.name for p in ctx.peers]
+    if ctx.comm.rank == 0:
+        for name in names:
+            if name not in ("mpi", "mpi-nb"):
+                print(f"# peer {name} skipped: the overlap benchmark compares with "
+                      "MPI_Iallreduce only", flush=True)
     results = overlap.run_overlap(ctx.comm, ctx.world, sizes, ctx.dtype.name, args.op,
                                   iters=args.iters, warmup=args.warmup, rounds=args.rounds,
                                   compute=args.compute_kind, check=bool(args.check),
-                                  quiet=False)
+                                  mpi="mpi" in names or "mpi-nb" in names, quiet=False)
     meta = report.metadata(ctx.comm, ctx.peers)
     if ctx.comm.rank == 0:
         print(report.overlap_summary(results), flush=True)

@@ -78,8 +78,16 @@ def summary(rows: list[Any]) -> str:
         ratio = r.results["wagma"]["time_us"] / r.results["wagma-global"]["time_us"]
         lines.append(f"  group allreduce (group {r.group_size}) on 16 MiB faster than the "
                      f"global allreduce: {ratio:.2f}x of its time  {_verdict(ratio < 1.0)}")
-    wrong = sum(int(v["wrong"]) for r in rows for v in r.results.values() if v["wrong"] > 0)
-    lines.append(f"  results checked: {wrong} wrong elements  {_verdict(wrong == 0)}")
+    checked = [int(v["wrong"]) for r in rows for v in r.results.values() if v["wrong"] >= 0]
+    unchecked = sum(1 for r in rows for v in r.results.values() if v["wrong"] < 0)
+    if checked:
+        wrong = sum(checked)
+        also = f"; {unchecked} timed only (n/a)" if unchecked else ""
+        lines.append(f"  results checked: {wrong} wrong elements in {len(checked)} checked "
+                     f"results{also}  {_verdict(wrong == 0)}")
+    elif rows:  # -c 0, or collectives the check does not cover: no verdict to give
+        lines.append("  results not checked (-c 0, or a collective -c does not cover): "
+                     "no verdict")
     if len(lines) == 1:
         lines.append("  (no target applies to this selection)")
     return "\n".join(lines)
@@ -93,6 +101,9 @@ def overlap_summary(results: list[dict[str, Any]]) -> str:
         ours, theirs = at["wagma"]["overlap_pct"], at["mpi"]["overlap_pct"]
         lines.append(f"  non-blocking allreduce overlap at 16 MiB >= MPI_Iallreduce's: "
                      f"{ours:.1f}% vs {theirs:.1f}%  {_verdict(ours >= theirs)}")
+    elif "wagma" in at:
+        lines.append("  (no MPI_Iallreduce at 16 MiB to compare with: --vs none, or an op or "
+                     "dtype MPI cannot reduce)")
     else:
         lines.append("  (16 MiB not in the sweep: the overlap target needs -b/-e to include it)")
     return "\n".join(lines)
