@@ -8,6 +8,9 @@
 #
 # Usage: bash bench/sim_validate.sh [P ...]   (default: 2 4 8)
 set -euo pipefail
+# The simulator models the message schedules, not the one-host shared-memory
+# paths (small blocking calls, WAGMA's board): measure those schedules too.
+export WAGMA_SHM=${WAGMA_SHM:-0}
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=bench/results

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -77,7 +78,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compute", type=float, default=0.01,
                    help="simulated compute per step, seconds (on top of the real one)")
     p.add_argument("--imbalance", default=None,
-                   help="reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] | none "
+                   help="reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] | "
+                        "slownode:DELAY[:RANKS_PER_NODE[:NODE]] | none "
                         "(default: reference with DELAY = --compute, COUNT = 2)")
     p.add_argument("--target", type=float, default=0.95,
                    help="test accuracy for the time-to-accuracy column (default 0.95)")
@@ -415,9 +417,20 @@ def check_options(o: argparse.Namespace) -> list[str]:
 
         if not torch.cuda.is_available():
             raise InvalidArgumentError("device", "cuda asked for but torch sees no CUDA GPU")
-    if o.compute < 0 or not 0 < o.target <= 1 or o.lr <= 0:
-        raise InvalidArgumentError("compute/target/lr", "need compute >= 0, 0 < target <= 1, "
-                                   "lr > 0")
+    # Each number named on its own; NaN and inf fail every one of these tests
+    # (a NaN lr or momentum trained to NaN weights and reported ~10% accuracy;
+    # a NaN or inf compute crashed every rank mid-run in time.sleep).
+    finite = math.isfinite
+    if not (finite(o.compute) and o.compute >= 0):
+        raise InvalidArgumentError("compute", f"need finite seconds >= 0, got {o.compute}")
+    if not 0 < o.target <= 1:
+        raise InvalidArgumentError("target", f"need 0 < target <= 1, got {o.target}")
+    if not (finite(o.lr) and o.lr > 0):
+        raise InvalidArgumentError("lr", f"need a finite lr > 0, got {o.lr}")
+    if not (finite(o.momentum) and o.momentum >= 0):
+        raise InvalidArgumentError("momentum", f"need finite momentum >= 0, got {o.momentum}")
+    if o.ranks < 1:  # was: any value below 2 silently ran one rank
+        raise InvalidArgumentError("ranks", f"must be >= 1, got {o.ranks}")
     return methods
 
 

@@ -1284,3 +1284,91 @@ def test_presets() -> None:
     g = GPU_CLUSTER
     assert g.same_node(0, 7) and not g.same_node(7, 8)
     assert g.bandwidth_intra > g.bandwidth_inter and g.latency_intra_s < g.latency_inter_s
+
+
+# -- command lines: bad input is refused naming its option --------------------------------
+def _cli(argv: list[str]) -> int:
+    from wagma_comm.cli import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("argv,argument", [
+    (["--itemsize", "0"], "itemsize"),  # was ZeroDivisionError
+    (["--model-mb", "nan"], "model_mb"),  # was ValueError from int(nan)
+    (["--model-mb", "inf"], "model_mb"),  # was OverflowError
+    (["--model-mb", "-5"], "model_mb"),  # was a silent 0-byte model
+])
+def test_sim_and_plan_refuse_bad_model_sizes(argv: list[str], argument: str, capsys) -> None:
+    for command in (["sim", "--ranks", "4"], ["plan", "--ranks", "4"]):
+        with pytest.raises(InvalidArgumentError) as e:
+            _cli([*command, "--steps", "2", "--methods", "allreduce", *argv]
+                 if command[0] == "sim" else [*command, "--steps", "2", *argv])
+        assert e.value.argument == argument, command
+    assert capsys.readouterr().out == ""  # refused before anything ran
+
+
+@pytest.mark.parametrize("argv", [["sim", "--ranks", ","], ["sim", "--ranks", ""],
+                                  ["plan", "--ranks", "4", "--group-sizes", ","],
+                                  ["plan", "--ranks", "4", "--sync-periods", ","]])
+def test_empty_int_lists_are_refused(argv: list[str], capsys) -> None:
+    # `--ranks ,` ran nothing and exited 0; `--group-sizes ,` silently took the defaults.
+    with pytest.raises(SystemExit) as e:
+        _cli(argv)
+    assert e.value.code == 2
+    assert "expected at least one int" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_zero_repeats_before_any_communication() -> None:
+    from wagma_comm.sim.calibrate import calibrate
+
+    with pytest.raises(InvalidArgumentError) as e:  # was ZeroDivisionError on every rank
+        calibrate(None, repeats=0)
+    assert e.value.argument == "repeats"
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--calibrate", "--repeats", "0"])
+    assert e.value.argument == "repeats"
+
+
+def _measurement(delay: float) -> dict:
+    return {"ranks": 2, "compute_s": 0.01, "injector": f"reference:{delay}:2",
+            "sync_every": 5, "group_size": 1, "grace": 0.0, "elements": 64, "seed": 0,
+            "steps": 10, "rates": {"allreduce": 50.0, "wagma": 60.0}}
+
+
+def test_validate_takes_every_measurement_of_a_delays_sweep(tmp_path, capsys) -> None:
+    """`wagma imbalance --delays ... --json` writes {"sweep": [...]}: --validate
+    raised KeyError 'ranks' on it."""
+    path, out = tmp_path / "sweep.json", tmp_path / "v.json"
+    path.write_text(json.dumps({"sweep": [_measurement(0.0), _measurement(0.01)]}))
+    assert _cli(["sim", "--validate", str(path), "--cost", "zero", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("# validation: 2 ranks") == 2
+    assert "reference:0.0:2" in text and "reference:0.01:2" in text
+    written = json.loads(out.read_text())["sweep"]
+    assert [len(v["rows"]) for v in written] == [2, 2]
+    assert written[1]["workload"]["imbalance"] == "reference:0.01:2"
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(_measurement(0.01)))
+    assert _cli(["sim", "--validate", str(single), "--cost", "zero", "--json", str(out)]) == 0
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["allreduce", "wagma"]
+
+
+def test_validate_notes_a_grace_it_does_not_model(tmp_path, capsys) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_measurement(0.01) | {"grace": 0.5}))
+    _cli(["sim", "--validate", str(path), "--cost", "zero"])
+    assert "measured with grace 0.5; the simulator does not model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", ['{"x": 1}', "[]", "{not json", '{"sweep": []}',
+                                     '{"sweep": [{"ranks": 2}]}'])
+def test_validate_refuses_what_is_not_a_measurement(tmp_path, content: str) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--validate", str(path), "--cost", "zero"])
+    assert e.value.argument == "validate"
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--validate", str(tmp_path / "missing.json"), "--cost", "zero"])
+    assert e.value.argument == "validate"

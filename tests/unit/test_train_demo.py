@@ -70,7 +70,21 @@ def test_demo_is_a_wagma_command_with_its_options() -> None:
 @pytest.mark.parametrize("bad,argument", [(["--methods", "wagma,sgd"], "methods"),
                                           (["--epochs", "0"], "epochs"),
                                           (["--group-size", "-1"], "group_size"),
-                                          (["--target", "1.5"], "compute/target/lr")])
+                                          (["--target", "1.5"], "target"),
+                                          (["--target", "nan"], "target"),
+                                          # Accepted before: NaN weights reported as a
+                                          # ~10% accuracy, or time.sleep crashing mid-run.
+                                          (["--lr", "nan"], "lr"),
+                                          (["--lr", "inf"], "lr"),
+                                          (["--lr", "0"], "lr"),
+                                          (["--momentum", "nan"], "momentum"),
+                                          (["--momentum", "-0.5"], "momentum"),
+                                          (["--compute", "nan"], "compute"),
+                                          (["--compute", "inf"], "compute"),
+                                          (["--compute", "-0.01"], "compute"),
+                                          # Silently ran one rank.
+                                          (["--ranks", "0"], "ranks"),
+                                          (["--ranks", "-2"], "ranks")])
 def test_bad_options_are_refused_before_mpi(bad: list[str], argument: str) -> None:
     args: argparse.Namespace = build_parser().parse_args(["demo", *bad])
     with pytest.raises(InvalidArgumentError) as err:

@@ -33,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import FLOAT32
+from ..errors import InvalidArgumentError
 from ..kernels import host as host_kernels
 from ..schedule.algorithms import choose_allreduce
 from ..transport.mpi import dup_with_deadline, wait_with_deadline
@@ -167,9 +168,17 @@ def _timed_calls(comm: Any, world: _World, buf: np.ndarray, group_size: int,
                          f"group_allreduce timing, groups of {group_size}, {buf.nbytes} B")
 
 
+def check_repeats(repeats: object) -> int:
+    """Before any communication: 0 divided by zero in every timed loop."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise InvalidArgumentError("repeats", f"expected an int >= 1, got {repeats!r}")
+    return repeats
+
+
 def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
     """Measure every parameter (collective: all ranks call it). Returns the
     model and the raw measurements (the same on every rank)."""
+    check_repeats(repeats)
     world = _World(comm.timeout)
     try:
         P = world.size

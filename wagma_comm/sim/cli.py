@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict
 from typing import Any
@@ -27,9 +28,12 @@ VALIDATION_TOLERANCE = 0.20  # simulated it/s within 20% of measured (issue #8)
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values:  # "," or "": nothing would run (or a default would stand in silently)
+        raise argparse.ArgumentTypeError(f"expected at least one int, got {text!r}")
+    return values
 
 
 def _workload_options(p: argparse.ArgumentParser) -> None:
@@ -80,9 +84,18 @@ def add_parsers(sub: Any) -> None:
 
 
 def _elements(args: argparse.Namespace) -> int:
+    """Model elements from ``--elements``, else ``--model-mb`` / ``--itemsize``;
+    a size that cannot be one is refused naming its option (the Workload
+    checks ``--elements`` itself)."""
+    if isinstance(args.itemsize, bool) or not isinstance(args.itemsize, int) \
+            or args.itemsize < 1:
+        raise InvalidArgumentError("itemsize", f"expected an int >= 1, got {args.itemsize!r}")
     if args.elements is not None:
         return args.elements
-    return max(0, int(args.model_mb * 1e6) // args.itemsize)
+    mb = args.model_mb
+    if not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
+        raise InvalidArgumentError("model_mb", f"expected finite MB >= 0, got {mb!r}")
+    return int(mb * 1e6) // args.itemsize
 
 
 def _methods(text: str) -> list[str]:
@@ -144,7 +157,9 @@ def run_sim(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     import wagma_comm
 
-    from .calibrate import calibrate
+    from .calibrate import calibrate, check_repeats
+
+    check_repeats(args.repeats)  # before init(), which communicates
 
     comm = wagma_comm.init()
     try:
@@ -185,16 +200,52 @@ def print_cost(model: CostModel) -> None:
         print(f"  {name:>22}: {value}")
 
 
+_MEASUREMENT_KEYS = ("ranks", "elements", "compute_s", "injector", "steps", "group_size",
+                     "sync_every", "rates")
+
+
+def _measurements(path: str) -> list[dict[str, Any]]:
+    """The measurements in a ``wagma imbalance --json`` file: one, or every
+    entry of a ``--delays`` sweep (``{"sweep": [...]}``)."""
+    try:
+        with open(path) as fh:
+            res = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError("validate", f"cannot read {path!r}: {exc}") from None
+    found = res.get("sweep", [res]) if isinstance(res, dict) else None
+    if not isinstance(found, list) or not found:
+        raise InvalidArgumentError("validate", f"{path!r} is not a `wagma imbalance --json` "
+                                   "file (expected an object, or {\"sweep\": [...]})")
+    for k, m in enumerate(found):
+        missing = [key for key in _MEASUREMENT_KEYS if not isinstance(m, dict) or key not in m]
+        if missing:
+            where = f" (sweep entry {k})" if "sweep" in res else ""
+            raise InvalidArgumentError("validate", f"{path!r}{where} lacks {', '.join(missing)}:"
+                                       " not a `wagma imbalance --json` measurement")
+    return found
+
+
 def _validate(args: argparse.Namespace, cost: CostModel) -> int:
-    """Simulate what ``wagma imbalance --json`` measured, method by method."""
-    with open(args.validate) as fh:
-        res = json.load(fh)
+    """Simulate what ``wagma imbalance --json`` measured, method by method
+    (every measurement of a ``--delays`` sweep in turn)."""
+    measurements = _measurements(args.validate)
+    out = [_validate_one(res, cost) for res in measurements]
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out[0] if len(out) == 1 else {"sweep": out}, fh, indent=1)
+    return 0
+
+
+def _validate_one(res: dict[str, Any], cost: CostModel) -> dict[str, Any]:
     w = Workload(res["ranks"], res["elements"], res["compute_s"], res["injector"],
                  res["steps"], res["group_size"], res["sync_every"], 4, res.get("seed", 0))
     lib = Collectives(w.size, cost, 4)
     print(f"# validation: {w.size} ranks, compute {w.compute_s * 1e3:g} ms, injector "
           f"{w.imbalance}, group {w.group}, sync every {w.sync_every}, {w.steps} steps, "
           f"{w.elements} x float32; cost model {cost.name}")
+    if res.get("grace"):
+        print(f"# note: measured with grace {res['grace']:g}; the simulator does not model "
+              "the grace (it simulates 0)")
     print(f"{'method':>18} {'measured it/s':>14} {'simulated':>10} {'sim/meas':>9} "
           f"{'within 20%':>11}")
     ok = True
@@ -209,11 +260,7 @@ def _validate(args: argparse.Namespace, cost: CostModel) -> int:
         print(f"{m:>18} {measured:14.2f} {r.iterations_per_s:10.2f} {ratio:9.3f} "
               f"{'PASS' if good else 'FAIL':>11}")
     print(f"# {'all within' if ok else 'NOT all within'} {VALIDATION_TOLERANCE:.0%}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"workload": asdict(w), "cost_model": cost.to_dict(), "rows": rows}, fh,
-                      indent=1)
-    return 0
+    return {"workload": asdict(w), "cost_model": cost.to_dict(), "rows": rows}
 
 
 def run_plan(args: argparse.Namespace) -> int:
