@@ -82,7 +82,27 @@ def _pack_factors(n: int, limit: int) -> list[int] | None:
                 break
         else:
             bins.append(p)
-    return sorted(bins, reverse=True)
+    packed = sorted(bins, reverse=True)
+    # First-fit decreasing is not always the fewest (144 with limit 13 packs
+    # into 9, 8, 2 where 12, 12 exists), and each extra factor is one more
+    # step before the models mix; where it loses, take the fewest.
+    fewest = _fewest_factors(n, limit)
+    return packed if fewest is None or len(fewest) >= len(packed) else list(fewest)
+
+
+@lru_cache(maxsize=1024)
+def _fewest_factors(n: int, cap: int) -> tuple[int, ...] | None:
+    """The fewest factors of ``n``, each in [2, ``cap``], non-increasing (the
+    largest leading factor among equally few); None if there are none."""
+    if n == 1:
+        return ()
+    best: tuple[int, ...] | None = None
+    for d in range(min(cap, n), 1, -1):
+        if n % d == 0:
+            rest = _fewest_factors(n // d, d)
+            if rest is not None and (best is None or len(rest) + 1 < len(best)):
+                best = (d, *rest)
+    return best
 
 
 @lru_cache(maxsize=1024)

@@ -42,6 +42,31 @@ def test_paper_example_64_by_8() -> None:
     assert G.partition(64, 8, 2) == G.partition(64, 8, 0)
 
 
+def _fewest(n: int, cap: int) -> int | None:
+    """Brute force: the fewest factors in [2, cap] whose product is n."""
+    if n == 1:
+        return 0
+    counts = [c + 1 for d in range(2, min(cap, n) + 1) if n % d == 0
+              for c in [_fewest(n // d, cap)] if c is not None]
+    return min(counts, default=None)
+
+
+def test_the_rest_after_the_radices_S_takes_the_fewest_factors() -> None:
+    """docs/schedules.md: P is factored into as many S as divide it, then the
+    rest into the fewest factors <= S. First-fit decreasing alone gave
+    144, S=13 -> (9, 8, 2): three steps where (12, 12) mixes in two."""
+    assert G.radices(144, 13) == (12, 12)
+    assert G.radices(360, 21) == (20, 18)
+    for P in range(2, 400):
+        for S in range(2, min(P, 24) + 1):
+            if not G.is_exact(P, S):
+                continue
+            digits = G.radices(P, S)
+            n_s = next(k for k, r in enumerate(digits + (0,)) if r != S)
+            rest = P // S ** n_s
+            assert len(digits) - n_s == _fewest(rest, S), (P, S, digits)
+
+
 ALL_CASES = [(P, S) for P in range(1, 41) for S in range(1, P + 1)]
 
 

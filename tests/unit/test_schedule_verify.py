@@ -247,6 +247,35 @@ def test_mismatched_native_is_rejected() -> None:
         verify(edit(g, 1, lambda s: drop_op(s, 0)))
 
 
+def _two_natives(rank: int, gate_first: bool) -> Schedule:
+    """Natives A (d[0:1]) then B (d[1:2]) over ranks (0, 1); a zero-byte message
+    from rank 0 to rank 1 gates A (``gate_first``) or B."""
+    b = ScheduleBuilder("allreduce", "custom", rank, (0, 1), 2, "sum")
+    empty, a, z = Slot(DATA, 0, 0), Slot(DATA, 0, 1), Slot(DATA, 1, 1)
+    gate = b.send(empty, 1) if rank == 0 else b.recv(empty, 0)
+    b.native("allreduce", a, "sum", (0, 1), after=[gate] if gate_first else [])
+    b.native("allreduce", z, "sum", (0, 1), after=[] if gate_first else [gate])
+    return b.build()
+
+
+def test_natives_over_the_same_ranks_are_chained_by_the_builder() -> None:
+    """MPI matches nonblocking collectives on one communicator by call order;
+    the dataflow executor calls a native once its deps are done."""
+    g = (_two_natives(0, gate_first=False), _two_natives(1, gate_first=True))
+    assert 1 in g[1].deps[2]  # B waits for A although their slots are disjoint
+    verify(g)
+
+
+def test_unordered_natives_over_the_same_ranks_are_rejected() -> None:
+    """Rank 0 could call B first and rank 1 A first (A waits for the message
+    there): MPI would pair A with B. The verifier matched them k-th with k-th
+    and passed this until the ordering was required."""
+    g = (_two_natives(0, gate_first=False), _two_natives(1, gate_first=True))
+    unchained = edit(g, 1, lambda s: dataclasses.replace(s, deps=s.deps[:2] + ((),)))
+    with pytest.raises(ScheduleError, match="native collectives over the same ranks"):
+        verify(unchained)
+
+
 def test_missing_and_duplicate_members_are_rejected() -> None:
     g = compiled("allreduce", 3, 6, "ring", "sum")
     with pytest.raises(ScheduleError, match="missing"):

@@ -147,6 +147,7 @@ class ScheduleBuilder:
         self._deps: list[tuple[int, ...]] = []
         self._sent: dict[int, int] = {}
         self._received: dict[int, int] = {}
+        self._last_native: dict[tuple[int, ...], int] = {}  # rank set -> its latest Native
         self._tracker = HazardTracker(self._sizes)
 
     # -- buffers ---------------------------------------------------------------
@@ -195,7 +196,15 @@ class ScheduleBuilder:
         """A whole collective run by the transport as one call over ``ranks``."""
         members = tuple(ranks)
         check_native(kind, op, members, root, self.rank, self.ranks)
-        return self._add(Native(kind, buf, op, members, root), after)
+        # MPI matches nonblocking collectives on one communicator by the order
+        # they are called in, and the dataflow executor calls each once its
+        # deps are done: an unordered pair could go out in different orders
+        # on different members. Chain the natives over one rank set.
+        prev = self._last_native.get(members)
+        index = self._add(Native(kind, buf, op, members, root),
+                          after if prev is None else (*after, prev))
+        self._last_native[members] = index
+        return index
 
     def build(self) -> Schedule:
         """The frozen schedule (the builder may keep growing afterwards)."""

@@ -11,7 +11,8 @@ get equal integer ids, which makes the final comparisons cheap and exact:
     deps plus messages, where a Send and its Recv (and a Native's members)
     complete together (the worst case: no buffering), runs to the end;
 (b) races: two ops of one rank on overlapping slots, one of them writing, are
-    ordered by the deps (transitively);
+    ordered by the deps (transitively), and so are two Natives over the same
+    ranks (called in the same order on every member);
 (c) result: allreduce - every member ends with the same expression per element
     (so bitwise-identical values), which reduces every member's element exactly
     once with the schedule's op (avg: and divides by the group size once);
@@ -238,11 +239,23 @@ def _check_races(group: _Group, pos: int) -> None:
     s = group.scheds[pos]
     tracker = HazardTracker({DATA: s.count, **s.scratch_sizes})
     ancestors: list[int] = []
+    last_native: dict[tuple[int, ...], int] = {}
     for i, (op, deps) in enumerate(zip(s.ops, s.deps)):
         anc = 0
         for j in deps:
             anc |= ancestors[j] | (1 << j)
         ancestors.append(anc)
+        if isinstance(op, Native):
+            # Natives are matched k-th with k-th (_match_natives), as MPI
+            # matches them by call order: the dataflow executor keeps that
+            # order only where the deps impose it.
+            j = last_native.get(op.ranks, -1)
+            if j >= 0 and not (anc >> j) & 1:
+                raise ScheduleError(
+                    f"rank {s.rank}: op {i} ({op_label(op)}) and op {j} "
+                    f"({op_label(s.ops[j])}) are native collectives over the same ranks "
+                    "that no dependency orders: members could start them in different orders")
+            last_native[op.ranks] = i
         for j in sorted(tracker.touch(op, i)):
             if not (anc >> j) & 1:
                 raise ScheduleError(
