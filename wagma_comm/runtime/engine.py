@@ -42,8 +42,7 @@ from .inline import (DONE, EXPIRED, Plan, Program, ProgramRun, overlong_receive,
 from .liveness import Liveness
 from .pool import ScratchPool
 from .straight import StraightLine
-from .watch import Watch, timeout_error, waiting_ranks
-from .watch import _phase as stage_phase
+from .watch import Watch, stage_phase, timeout_error, waiting_ranks
 
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
 # only after this long without any completion fall back to short sleeps, so a

@@ -45,7 +45,7 @@ def waiting_ranks(rank: int, ops: Sequence[Any], posted: dict[int, Any]) -> list
     return sorted(peers)
 
 
-def _phase(stage: Any) -> str:
+def stage_phase(stage: Any) -> str:
     return {"debug": "debug fingerprint exchange", "setup": "group set-up"}.get(
         stage.channel, stage.label or "data exchange")
 
@@ -56,7 +56,7 @@ def timeout_error(work: Any, stage: Any, ops: Sequence[Any],
     waiting = waiting_ranks(stage.schedule.rank, ops, posted)
     return CollectiveTimeoutError(
         work.collective, work.seq, waiting,
-        f"timed out after {work.timeout:g} s in its {_phase(stage)}, "
+        f"timed out after {work.timeout:g} s in its {stage_phase(stage)}, "
         f"still waiting for messages from {len(waiting)} rank(s)",
     )
 
@@ -97,7 +97,7 @@ class Watch:
             elif not run.warned and self.overdue(work.deadline, work.timeout, now):
                 run.warned = True
                 self.warn(work.collective, work.seq, work.deadline, work.timeout, now,
-                          _phase(run.stage),
+                          stage_phase(run.stage),
                           waiting_ranks(run.stage.schedule.rank, run.ops, run.posted))
         return failed
 
@@ -169,4 +169,4 @@ class Watch:
         return lambda collective, seq: RankFailedError(collective, seq, dead, message)
 
 
-__all__ = ["Watch", "timeout_error", "waiting_ranks", "WATCHDOG_FRACTION"]
+__all__ = ["Watch", "timeout_error", "stage_phase", "waiting_ranks", "WATCHDOG_FRACTION"]
