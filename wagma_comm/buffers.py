@@ -80,14 +80,16 @@ def _device_of(obj: Any, argument: str) -> tuple[int, int]:
 
 def cuda_device(obj: Any) -> int | None:
     """The CUDA device id of a DLPack buffer, or None for anything else (host
-    memory, no DLPack): which path, host or GPU, a collective takes."""
+    memory, no DLPack): which path, host or GPU, a collective takes. Managed
+    memory goes the GPU way: NCCL and the kernels take its pointers as they
+    are, and the host path would refuse it as a GPU buffer."""
     if type(obj) is np.ndarray or not hasattr(obj, "__dlpack_device__"):
         return None
     try:
         dev_type, dev_id = obj.__dlpack_device__()
     except Exception:  # noqa: BLE001 -- as_buffer reports it properly
         return None
-    return int(dev_id) if int(dev_type) == DL_CUDA else None
+    return int(dev_id) if int(dev_type) in (DL_CUDA, DL_CUDA_MANAGED) else None
 
 
 def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None) -> bool:

@@ -98,6 +98,20 @@ def test_broadcast_cupy_and_torch(comm):
             np.testing.assert_array_equal(t.cpu().numpy(), data)
 
 
+def test_cuda_managed_memory_takes_the_gpu_path(comm):
+    """CuPy exports managed memory as DLPack's CUDA-managed device (13); it
+    used to fall to the host path, which refused it as a GPU buffer."""
+    from wagma_comm.buffers import cuda_device
+
+    n = 4099
+    mem = cp.cuda.malloc_managed(n * 4)
+    buf = cp.ndarray((n,), dtype=cp.float32, memptr=mem)
+    buf[...] = comm.rank + 1.0
+    assert cuda_device(buf) == cp.cuda.Device().id
+    comm.allreduce(buf, "sum")
+    assert bool((buf == sum(r + 1.0 for r in range(comm.size))).all())
+
+
 def test_stream_contract_without_user_synchronisation(comm):
     """The input is produced by kernels still queued on torch's stream, and
     the result is consumed on it right after the call: the runtime orders both
