@@ -55,12 +55,18 @@ __all__ = [
     "reference_period_max_cdf",
     "exact_reference_period_max",
     "EXACT_WORK_LIMIT",
+    "MAX_DELAY_S",
 ]
 
 # Steps simulated per block by the expectation helpers: bounds memory at
 # block * size floats however many periods are asked for.
 _BLOCK_STEPS = 8192
 
+
+#: Largest injected delay (or skewed mean) an injector accepts: one day. A larger
+#: value is a typo, and one that ``time.sleep`` cannot take (about 9.2e9 s) would
+#: fail mid-run, and only on the ranks drawn slow, while the others wait.
+MAX_DELAY_S = 86400.0
 
 # --------------------------------------------------------------------------- checks
 
@@ -83,6 +89,16 @@ def _check_seconds(argument: str, value: object) -> float:
         raise InvalidArgumentError(argument, f"must be finite, got {value}")
     if v < 0:
         raise InvalidArgumentError(argument, f"must be >= 0, got {value}")
+    return v
+
+
+def _check_delay(argument: str, value: object) -> float:
+    """A delay an injector will sleep: as :func:`_check_seconds`, at most
+    :data:`MAX_DELAY_S`."""
+    v = _check_seconds(argument, value)
+    if v > MAX_DELAY_S:
+        raise InvalidArgumentError(
+            argument, f"must be <= {MAX_DELAY_S:g} s (one day), got {value}")
     return v
 
 
@@ -189,7 +205,7 @@ class ReferenceImbalance(Injector):
 
     def __init__(self, size: int, delay_s: float, count: int = 2, seed: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.delay_s = _check_seconds("delay_s", delay_s)
+        self.delay_s = _check_delay("delay_s", delay_s)
         self.count = _check_int("count", count, 1)
         self.seed = _check_int("seed", seed, 0)
         super().__init__(size)
@@ -241,8 +257,10 @@ class SkewedCompute(Injector):
 
     def __init__(self, size: int, mean_s: float, sigma: float = 1.0, seed: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.mean_s = _check_seconds("mean_s", mean_s)
+        self.mean_s = _check_delay("mean_s", mean_s)
         self.sigma = _check_seconds("sigma", sigma)
+        if not math.isfinite(self.sigma * self.sigma):  # mu needs sigma**2 / 2
+            raise InvalidArgumentError("sigma", f"too large (sigma**2 overflows), got {sigma}")
         self.seed = _check_int("seed", seed, 0)
         super().__init__(size)
 
@@ -274,7 +292,7 @@ class SlowNode(Injector):
     def __init__(self, size: int, delay_s: float, ranks_per_node: int = 8,
                  node: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.delay_s = _check_seconds("delay_s", delay_s)
+        self.delay_s = _check_delay("delay_s", delay_s)
         self.ranks_per_node = _check_int("ranks_per_node", ranks_per_node, 1)
         self.node = _check_int("node", node, 0)
         if self.node * self.ranks_per_node >= size:

@@ -235,3 +235,110 @@ def test_overlap_refuses_outputs_it_does_not_write(flag: str) -> None:
 
     with pytest.raises(UnsupportedError, match=flag):
         _bench(["overlap", flag, "out.png" if flag == "--plot" else "out.csv"])
+
+
+# -- wagma imbalance ---------------------------------------------------------------
+
+IMBALANCE_KEYS = {"ranks", "compute_s", "injector", "delay_s", "sync_every", "group_size",
+                  "grace", "elements", "seed", "steps", "rounds", "rates", "expected",
+                  "fresh_share", "wait_per_iteration_s", "staleness_histogram",
+                  "expected_wait_avoiding", "expected_wait_avoiding_exact",
+                  "expected_blocking", "samples_s"}
+
+
+def _imbalance_args(argv: list[str]) -> Any:
+    return build_parser().parse_args(["imbalance", "--elements", "8", *argv])
+
+
+def test_imbalance_json_schema(shared_dir: str) -> None:
+    """`wagma imbalance --json`: every key `wagma sim --validate` and the plot read,
+    one rate and one per-rank wait list per method, units as documented."""
+    import statistics
+
+    from wagma_comm.bench import imbalance as imbalance_cli
+
+    path = os.path.join(shared_dir, "imbalance.json")
+    assert imbalance_cli.run(_imbalance_args([
+        "--compute", "0.001", "--sync-every", "2", "--periods", "2", "--rounds", "2",
+        "--seed", "3", "--methods", "allreduce,majority", "--json", path])) == 0
+    if RANK != 0:
+        return
+    res = _load(path)
+    assert set(res) == IMBALANCE_KEYS
+    assert (res["ranks"], res["steps"], res["seed"], res["rounds"]) == (SIZE, 4, 3, 2)
+    assert res["injector"] == "reference:0.001:2" and res["delay_s"] == 0.001
+    for key in ("rates", "fresh_share", "wait_per_iteration_s", "samples_s"):
+        assert list(res[key]) == ["allreduce", "majority"], key
+    for m in ("allreduce", "majority"):
+        assert len(res["wait_per_iteration_s"][m]) == SIZE
+        assert len(res["samples_s"][m]) == 2
+        # it/s = steps / median over rounds of the slowest rank's seconds, and the
+        # slowest rank took at least as long as rank 0 (samples_s is rank 0's)
+        assert 0 < res["rates"][m] <= 4 / statistics.median(res["samples_s"][m]) * (1 + 1e-12)
+    assert res["expected"]["allreduce"] == res["expected_blocking"]
+    assert res["expected"]["majority"] is None
+
+
+def test_imbalance_majority_follows_the_seed(comm: Communicator) -> None:
+    """--seed seeds the majority's activators too, as `wagma sim` assumes when it
+    replays a measurement (they were drawn from seed 0 whatever --seed said)."""
+    import numpy as np
+
+    from wagma_comm.bench import imbalance as imbalance_cli
+    from wagma_comm.imbalance import NoImbalance
+    from wagma_comm.runtime.activation import majority_activator
+
+    if SIZE == 1:
+        pytest.skip("one rank activates every round whatever the seed")
+    steps = 12
+
+    def counts(seed: int) -> list[int]:
+        drawn = [majority_activator(seed, r, SIZE) for r in range(steps)]
+        return [drawn.count(r) for r in range(SIZE)]
+
+    seed = next(s for s in range(1, 100) if counts(s) != counts(0))
+    args = _imbalance_args(["--compute", "0", "--sync-every", "100", "--seed", str(seed)])
+    args.group_size = max(1, SIZE // 2)
+    loop = imbalance_cli._loop(comm, "majority", np.zeros(8, dtype=np.float32), args,
+                               NoImbalance(SIZE), steps)
+    try:
+        loop()
+        here = loop.statistics()["activated_here"]
+    finally:
+        loop.close()
+    assert WORLD.allgather(here) == counts(seed)
+
+
+def test_imbalance_survives_an_intractable_exact_expectation(comm: Communicator) -> None:
+    """Past EXACT_WORK_LIMIT the exact reference term is left out (None) instead of
+    raising InvalidArgumentError('sync_every') after the whole measurement."""
+    from wagma_comm import imbalance as imb
+    from wagma_comm.bench import imbalance as imbalance_cli
+
+    count = 4
+    tau = next(t for t in range(1, 5000)
+               if imb._exact_work(SIZE, count, t) > imb.EXACT_WORK_LIMIT)
+    args = _imbalance_args(["--compute", "0", "--sync-every", str(tau), "--periods", "1",
+                            "--rounds", "1", "--methods", "allreduce"])
+    args.group_size = max(1, SIZE // 2)
+    res = imbalance_cli.measure(comm, args, f"reference:1e-6:{count}")
+    assert res["expected_wait_avoiding_exact"] is None
+    assert res["rates"]["allreduce"] > 0 and res["expected_wait_avoiding"] > 0
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--json", "/dev/null/out.json"], "--json"),  # under a file: no directory
+    (["--group-size", str(SIZE + 1)], "--group-size"),
+    (["--imbalance", "reference:0.001:2:9"], "--imbalance"),
+])
+def test_imbalance_refuses_on_every_rank_before_measuring(argv: list[str], flag: str) -> None:
+    """An unwritable --json failed on rank 0 only, after every measurement; a
+    group size beyond the ranks was recorded unused when no method needed it."""
+    from wagma_comm.bench import imbalance as imbalance_cli
+    from wagma_comm.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        imbalance_cli.run(_imbalance_args(["--compute", "0.001", "--sync-every", "2",
+                                           "--periods", "1", "--rounds", "1",
+                                           "--methods", "allreduce", *argv]))
+    assert info.value.argument == flag

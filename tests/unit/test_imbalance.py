@@ -303,3 +303,129 @@ def test_bad_arguments(call, argument: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         call()
     assert info.value.argument == argument
+
+
+# ------------------------------------------- huge values, and `wagma imbalance`'s options
+
+
+@pytest.mark.parametrize(
+    "call,argument",
+    [
+        (lambda: ReferenceImbalance(4, 1e300), "delay_s"),  # time.sleep cannot take it
+        (lambda: ReferenceImbalance(4, imbalance.MAX_DELAY_S * 2), "delay_s"),
+        (lambda: SkewedCompute(4, 1e12), "mean_s"),
+        (lambda: SkewedCompute(4, 0.1, sigma=1e155), "sigma"),  # sigma**2 overflows
+        (lambda: make_injector("reference:1e300", 4), "imbalance"),
+        (lambda: make_injector("skewed:0.1:1e155", 4), "imbalance"),
+        (lambda: make_injector("slownode:1e300:1", 4), "imbalance"),
+    ],
+)
+def test_huge_values_are_refused_when_built(call, argument: str) -> None:
+    """A delay nobody can sleep used to be accepted and fail (OverflowError) in
+    the first step that drew it, on the slow ranks only; a sigma whose square
+    overflows failed in every delays() call."""
+    with pytest.raises(InvalidArgumentError) as info:
+        call()
+    assert info.value.argument == argument
+
+
+def test_largest_delay_is_accepted() -> None:
+    inj = ReferenceImbalance(4, imbalance.MAX_DELAY_S, count=4)
+    assert inj.delays(0).max() == imbalance.MAX_DELAY_S
+    assert np.isfinite(SkewedCompute(4, 0.1, sigma=30.0).delays(3)).all()
+
+
+def _bench_args(*argv: str):
+    from wagma_comm.cli import build_parser
+
+    return build_parser().parse_args(["imbalance", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--compute", "-1", "--imbalance", "none"], "--compute"),  # was: sleep() ValueError
+        (["--compute", "nan"], "--compute"),
+        (["--compute", "inf", "--imbalance", "none"], "--compute"),
+        (["--compute", "1e300", "--imbalance", "none"], "--compute"),
+        (["--sync-every", "0"], "--sync-every"),
+        (["--group-size", "-1"], "--group-size"),
+        (["--elements", "0"], "--elements"),
+        (["--periods", "0"], "--periods"),  # was: ZeroDivisionError after measuring
+        (["--rounds", "0"], "--rounds"),  # was: StatisticsError after measuring
+        (["--seed", "-1"], "--seed"),
+        (["--grace", "-0.5"], "--grace"),
+        (["--grace", "nan"], "--grace"),
+        (["--grace", "2"], "--grace"),
+        (["--methods", ","], "--methods"),  # was: an empty benchmark, exit 0
+        (["--methods", "wagma,foo"], "--methods"),
+        (["--methods", "allreduce,allreduce"], "--methods"),
+        (["--delays", ""], "--delays"),  # was: silently the default injector
+        (["--delays", ",,"], "--delays"),  # was: no measurement, exit 0
+        (["--delays", "0,abc"], "--delays"),  # was: ValueError
+        (["--delays", "0,-0.1"], "--delays"),
+        (["--delays", "nan"], "--delays"),
+        (["--delays", "0,1e300"], "--delays"),
+        (["--delays", "0,0.1", "--imbalance", "skewed:0.1"], "--delays"),  # was: ignored
+    ],
+)
+def test_bench_options_refused_before_communicating(argv: list[str], flag: str) -> None:
+    """check_options needs no communicator: every rank refuses the same way."""
+    from wagma_comm.bench import imbalance as bench
+
+    with pytest.raises(InvalidArgumentError) as info:
+        bench.check_options(_bench_args("--compute", "0.01", *argv))
+    assert info.value.argument == flag
+
+
+def test_bench_good_options_pass() -> None:
+    from wagma_comm.bench import imbalance as bench
+
+    bench.check_options(_bench_args())
+    bench.check_options(_bench_args("--delays", "0, 0.02,", "--methods", "wagma, allreduce"))
+    assert bench.parse_methods(" wagma ,allreduce,") == ["wagma", "allreduce"]
+
+
+@pytest.mark.parametrize(
+    "argv,size,flag",
+    [
+        (["--imbalance", ""], 4, "--imbalance"),  # was: silently the default injector
+        (["--imbalance", "bogus"], 4, "--imbalance"),
+        (["--imbalance", "reference:1e300"], 4, "--imbalance"),
+        (["--imbalance", "slownode:0.1:4:1"], 4, "--imbalance"),  # node 1 has no ranks
+        (["--delays", "0,1e300"], 4, "--delays"),
+    ],
+)
+def test_bench_injector_specs_name_the_option(argv: list[str], size: int, flag: str) -> None:
+    from wagma_comm.bench import imbalance as bench
+
+    with pytest.raises(InvalidArgumentError) as info:
+        bench.injector_specs(_bench_args(*argv), size)
+    assert info.value.argument == flag
+
+
+def test_bench_injector_specs() -> None:
+    from wagma_comm.bench import imbalance as bench
+
+    assert bench.injector_specs(_bench_args("--compute", "0.03"), 4) == ["reference:0.03:2"]
+    assert bench.injector_specs(_bench_args("--imbalance", "none"), 4) == ["none"]
+    assert bench.injector_specs(_bench_args("--delays", "0,0.5"), 4) == [
+        "reference:0.0:2", "reference:0.5:2"]
+
+
+def test_bench_output_problems_found_before_measuring(tmp_path) -> None:
+    """Rank 0's --json/--plot that it could not write at the end: found at the start."""
+    from wagma_comm.bench import imbalance as bench
+
+    (tmp_path / "a-file").write_text("")
+    under_a_file = str(tmp_path / "a-file" / "out.json")
+    problem = bench._output_problem(_bench_args("--json", under_a_file))
+    assert problem is not None and problem[1] == "--json" and "cannot create" in problem[2]
+    nested = tmp_path / "new" / "dir" / "out.json"  # made, as for --plot
+    assert bench._output_problem(_bench_args("--json", str(nested))) is None
+    assert nested.parent.is_dir()
+    problem = bench._output_problem(_bench_args("--json", str(tmp_path)))
+    assert problem is not None and problem[1] == "--json" and "directory" in problem[2]
+    problem = bench._output_problem(_bench_args("--plot", str(tmp_path / "p.nosuchformat")))
+    assert problem is not None and problem[1] == "--plot"
+    assert bench._output_problem(_bench_args("--json", str(tmp_path / "ok.json"))) is None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -37,7 +38,8 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compute", type=float, default=0.05, help="compute time c per step (s)")
     p.add_argument("--imbalance", default=None,
-                   help="injector: reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] | none "
+                   help="injector: reference:DELAY[:COUNT] | skewed:MEAN[:SIGMA] | "
+                        "slownode:DELAY[:RANKS_PER_NODE[:NODE]] | none "
                         "(default: reference with DELAY = compute, COUNT = 2)")
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--group-size", type=int, default=0, help="default: half the ranks")
@@ -45,17 +47,141 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--periods", type=int, default=3, help="sync periods per measurement")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per method")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the injector and the majority allreduce's activators "
+                        "(as wagma sim does)")
     p.add_argument("--grace", type=float, default=0.0,
                    help="WAGMA on one host: wait up to this fraction of the compute time for "
                         "group members one round behind (default 0, the collective's own; "
                         "docs/partial.md)")
     p.add_argument("--delays", default=None,
                    help="sweep: comma-separated reference-injector delays in seconds "
-                        "(e.g. 0,0.025,0.05,0.1); one measurement per delay")
+                        "(e.g. 0,0.025,0.05,0.1); one measurement per delay (not with "
+                        "--imbalance)")
     p.add_argument("--json", default=None, help="write results as JSON (rank 0)")
     p.add_argument("--plot", default=None,
                    help="PNG of throughput against injected delay (with --delays)")
+
+
+def parse_methods(text: str) -> list[str]:
+    """``--methods``: known, distinct names, at least one."""
+    from ..errors import InvalidArgumentError
+
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise InvalidArgumentError("--methods", f"no method given; expected some of "
+                                                f"{', '.join(METHODS)}")
+    for m in methods:
+        if m not in METHODS:
+            raise InvalidArgumentError("--methods", f"unknown method {m!r}; expected some of "
+                                                    f"{', '.join(METHODS)}")
+        if methods.count(m) > 1:
+            raise InvalidArgumentError("--methods", f"{m!r} given more than once")
+    return methods
+
+
+def _seconds(flag: str, value: float) -> float:
+    """A sleep length: finite, >= 0 and at most the injectors' limit (a negative,
+    NaN or huge one would fail inside the first measured step instead)."""
+    from ..errors import InvalidArgumentError
+    from ..imbalance import MAX_DELAY_S
+
+    if not math.isfinite(value) or not 0 <= value <= MAX_DELAY_S:
+        raise InvalidArgumentError(flag, f"expected seconds in [0, {MAX_DELAY_S:g}], got {value}")
+    return value
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse bad options before any communication, naming the option: otherwise
+    they fail mid-measurement (a negative sleep), after it (no rounds to take a
+    median of), or are silently ignored (``--imbalance`` beside ``--delays``)."""
+    from ..errors import InvalidArgumentError
+
+    _seconds("--compute", args.compute)
+    for flag, value, minimum in (("--sync-every", args.sync_every, 1),
+                                 ("--group-size", args.group_size, 0),
+                                 ("--elements", args.elements, 1),
+                                 ("--periods", args.periods, 1),
+                                 ("--rounds", args.rounds, 1),
+                                 ("--seed", args.seed, 0)):
+        if value < minimum:
+            raise InvalidArgumentError(flag, f"must be >= {minimum}, got {value}")
+    if not (math.isfinite(args.grace) and 0 <= args.grace <= 1):
+        raise InvalidArgumentError(
+            "--grace", f"expected a fraction of the compute time in [0, 1], got {args.grace}")
+    parse_methods(args.methods)
+    if args.delays is not None:
+        if args.imbalance is not None:
+            raise InvalidArgumentError("--delays", "sweeps the reference injector; "
+                                                   "give --delays or --imbalance, not both")
+        delay_list(args.delays)
+
+
+def delay_list(text: str) -> list[float]:
+    """``--delays``: at least one delay, each a valid sleep length."""
+    from ..errors import InvalidArgumentError
+
+    out = []
+    for item in (d.strip() for d in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise InvalidArgumentError("--delays", f"{item!r} is not a number") from None
+        out.append(_seconds("--delays", value))
+    if not out:
+        raise InvalidArgumentError("--delays", f"no delay given in {text!r}")
+    return out
+
+
+def injector_specs(args: argparse.Namespace, size: int) -> list[str]:
+    """The injector of each measurement, each checked against ``size`` ranks
+    (an error names ``--imbalance`` or ``--delays``)."""
+    from ..errors import InvalidArgumentError
+    from ..imbalance import make_injector
+
+    if args.delays is not None:
+        flag, specs = "--delays", [f"reference:{d}:2" for d in delay_list(args.delays)]
+    else:
+        flag = "--imbalance"
+        specs = [args.imbalance if args.imbalance is not None else f"reference:{args.compute}:2"]
+    for spec in specs:
+        try:
+            make_injector(spec, size, seed=args.seed)
+        except InvalidArgumentError as exc:
+            message = str(exc).split(": ", 1)[1] if exc.argument == "imbalance" else str(exc)
+            raise InvalidArgumentError(flag, message) from None
+    return specs
+
+
+def _output_problem(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """(error class, option, message) when rank 0 could not write ``--json`` or
+    ``--plot`` at the end, found before minutes of measuring are lost."""
+    from ..errors import InvalidArgumentError, UnsupportedError
+    from . import plot
+
+    for flag, path, check in (("--json", args.json, plot.check_output_path),
+                              ("--plot", args.plot, plot.check_image_path)):
+        if path is None:
+            continue
+        try:
+            check(path, flag)
+        except (InvalidArgumentError, UnsupportedError) as exc:
+            return type(exc).__name__, flag, str(exc).removeprefix(f"{flag}: ")
+    return None
+
+
+def check_outputs(comm: Any, args: argparse.Namespace) -> None:
+    """Collective: rank 0 checks that it can write ``--json``/``--plot``; every
+    rank raises the same typed error if not."""
+    from ..errors import InvalidArgumentError, UnsupportedError
+
+    problem = comm_allgather(_output_problem(args) if comm.rank == 0 else None)[0]
+    if problem is not None:
+        kind, flag, message = problem
+        error = UnsupportedError if kind == "UnsupportedError" else InvalidArgumentError
+        raise error(flag, message)
 
 
 def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
@@ -73,8 +199,10 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
         def collective(t: int) -> None:
             coll.step(model)
     elif method in ("solo", "majority"):
-        make = comm.solo_allreduce if method == "solo" else comm.majority_allreduce
-        coll = make(model, tau)
+        # The majority's activators follow --seed, as in wagma sim and the training
+        # layer (they were always drawn from seed 0 here).
+        coll = (comm.solo_allreduce(model, tau) if method == "solo"
+                else comm.majority_allreduce(model, tau, seed=args.seed))
 
         def collective(t: int) -> None:
             coll.step(model)
@@ -140,11 +268,12 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     returned summary (rates, expectations, waits, staleness) is the same on
     every rank."""
     from wagma_comm import imbalance as imb
+    from wagma_comm.errors import InvalidArgumentError
 
     P = comm.size
     injector = imb.make_injector(spec, P, seed=args.seed)
     steps = args.periods * args.sync_every
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = parse_methods(args.methods)
     model = np.zeros(args.elements, dtype=np.float32)
     loops = {m: _loop(comm, m, model, args, injector, steps) for m in methods}
     samples: dict[str, list[float]] = {m: [] for m in methods}
@@ -180,9 +309,12 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
         injector, args.compute, args.sync_every, periods=args.periods)
     exact = None
     if isinstance(injector, imb.ReferenceImbalance) and injector.delay_s > 0:
-        period = (args.sync_every * args.compute + imb.exact_reference_period_max(
-            P, injector.count, args.sync_every, injector.delay_s))
-        exact = args.sync_every / period
+        try:
+            period = (args.sync_every * args.compute + imb.exact_reference_period_max(
+                P, injector.count, args.sync_every, injector.delay_s))
+            exact = args.sync_every / period
+        except InvalidArgumentError:  # intractable here (EXACT_WORK_LIMIT): simulated only
+            exact = None
     expected = {m: (blocking if m == "allreduce" else
                     waitavoid if m in ("wagma", "wagma_group_scope", "solo") else None)
                 for m in methods}
@@ -229,14 +361,19 @@ def print_result(res: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import wagma_comm
+    from wagma_comm import groups
 
+    check_options(args)
     comm = wagma_comm.init()
-    if not args.group_size:
-        args.group_size = max(1, comm.size // 2)
-    if args.delays:
-        specs = [f"reference:{float(d)}:2" for d in args.delays.split(",") if d.strip()]
-    else:
-        specs = [args.imbalance or f"reference:{args.compute}:2"]
+    try:
+        if not args.group_size:
+            args.group_size = max(1, comm.size // 2)
+        groups.check_group_size(comm.size, args.group_size, "--group-size")
+        specs = injector_specs(args, comm.size)
+        check_outputs(comm, args)
+    except BaseException:
+        comm.close()
+        raise
     results = []
     for spec in specs:
         res = measure(comm, args, spec)

@@ -100,31 +100,39 @@ def _new_figure(width: float, height: float) -> "Figure":
     return fig
 
 
-def _check_path(path: str | os.PathLike[str], fig: "Figure") -> str:
-    """Fail before drawing when the file cannot be written or its extension is
-    not an image format matplotlib knows."""
+def check_output_path(path: str | os.PathLike[str], argument: str) -> str:
+    """Fail before minutes of measuring when rank 0 could not write ``path`` at
+    the end (empty, a directory, unwritable); creates its directory. Returns
+    the path as a string."""
     try:
         text = os.fspath(path)
     except TypeError:
         text = None
     if not isinstance(text, str) or not text:
-        raise InvalidArgumentError(ARG, f"expected a file name, got {path!r}")
-    ext = os.path.splitext(text)[1].lstrip(".").lower()
-    supported = fig.canvas.get_supported_filetypes()
-    if ext not in supported:
-        raise InvalidArgumentError(
-            ARG, f"{text!r}: unknown image format {ext or '(none)'!r}; "
-                 f"use one of {', '.join('.' + e for e in sorted(supported))}")
+        raise InvalidArgumentError(argument, f"expected a file name, got {path!r}")
     parent = os.path.dirname(os.path.abspath(text))
     if os.path.isdir(text):
-        raise InvalidArgumentError(ARG, f"{text!r} is a directory")
+        raise InvalidArgumentError(argument, f"{text!r} is a directory")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
-        raise InvalidArgumentError(ARG, f"cannot create {parent!r}: {exc.strerror}") from None
+        raise InvalidArgumentError(argument, f"cannot create {parent!r}: {exc.strerror}") from None
     if not os.access(parent, os.W_OK | os.X_OK) or (
             os.path.exists(text) and not os.access(text, os.W_OK)):
-        raise InvalidArgumentError(ARG, f"{text!r} is not writable")
+        raise InvalidArgumentError(argument, f"{text!r} is not writable")
+    return text
+
+
+def check_image_path(path: str | os.PathLike[str], argument: str = ARG) -> str:
+    """:func:`check_output_path`, and an extension matplotlib can render to."""
+    _, canvas_cls = _matplotlib()
+    text = check_output_path(path, argument)
+    ext = os.path.splitext(text)[1].lstrip(".").lower()
+    supported = canvas_cls.get_supported_filetypes()
+    if ext not in supported:
+        raise InvalidArgumentError(
+            argument, f"{text!r}: unknown image format {ext or '(none)'!r}; "
+                      f"use one of {', '.join('.' + e for e in sorted(supported))}")
     return text
 
 
@@ -300,7 +308,7 @@ def plot_sweep(rows: Sequence[Any], path: str | os.PathLike[str],
         raise InvalidArgumentError(ARG, f"no {'/'.join(metrics)} values in the rows")
 
     fig = _new_figure(4.8 * len(colls) + 0.6, 3.6 * len(metrics) + 1.0)
-    path = _check_path(path, fig)
+    path = check_image_path(path)
     labels = list(dict.fromkeys(lab for m in metrics for c in colls for lab in series[m].get(c, {})))
     impls = list(dict.fromkeys(impl for _, impl in labels))
     colors = {impl: f"C{k % 10}" for k, impl in enumerate(impls)}
@@ -489,7 +497,7 @@ def plot_imbalance(points: Sequence[Mapping[str, Any]], path: str | os.PathLike[
     meta = dict(meta or {})
 
     fig = _new_figure(8.4, 4.6)
-    path = _check_path(path, fig)
+    path = check_image_path(path)
     ax = fig.add_subplot()
     has_expected = False
     for k, (method, pts) in enumerate(by_method.items()):

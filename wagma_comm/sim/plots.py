@@ -8,10 +8,10 @@ from typing import Any, Sequence
 def plot_scale(runs: Sequence[dict[str, Any]], path: str) -> Any:
     """``runs``: what ``wagma sim --json`` writes under "runs". Log-x plot of
     simulated it/s per method; returns the saved Figure."""
-    from ..bench.plot import _MARKERS, _check_path, _new_figure, _save
+    from ..bench.plot import _MARKERS, _new_figure, _save, check_image_path
 
     fig = _new_figure(8.4, 4.6)
-    path = _check_path(path, fig)
+    path = check_image_path(path)
     ax = fig.add_subplot()
     methods = list(runs[0]["results"]) if runs else []
     for k, m in enumerate(methods):
