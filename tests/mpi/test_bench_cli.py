@@ -342,3 +342,26 @@ def test_imbalance_refuses_on_every_rank_before_measuring(argv: list[str], flag:
                                            "--periods", "1", "--rounds", "1",
                                            "--methods", "allreduce", *argv]))
     assert info.value.argument == flag
+
+
+def test_imbalance_gather_returns_every_value_and_times_out_on_a_missing_rank() -> None:
+    """The benchmark's result gathering goes through the communicator: values
+    of different sizes come back in rank order, and a rank that never comes
+    is a timeout naming it (it was a plain MPI allgather, waiting forever)."""
+    import wagma_comm
+    from wagma_comm.bench.imbalance import comm_allgather
+
+    c = wagma_comm.init(timeout=30)
+    try:
+        values = [{"rank": r, "pad": "x" * (r * 37)} for r in range(SIZE)]
+        assert comm_allgather(c, values[RANK]) == values
+        assert comm_allgather(c, None) == [None] * SIZE
+        if SIZE > 1:
+            c.barrier()
+            if RANK == 0:
+                with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                    comm_allgather(c, 1.0, timeout=0.5)
+                assert info.value.ranks and set(info.value.ranks) <= set(range(1, SIZE))
+    finally:
+        WORLD.Barrier()
+        c.close(cancel=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import statistics
 import time
 from typing import Any, Callable
@@ -177,7 +178,7 @@ def check_outputs(comm: Any, args: argparse.Namespace) -> None:
     rank raises the same typed error if not."""
     from ..errors import InvalidArgumentError, UnsupportedError
 
-    problem = comm_allgather(_output_problem(args) if comm.rank == 0 else None)[0]
+    problem = comm_allgather(comm, _output_problem(args) if comm.rank == 0 else None)[0]
     if problem is not None:
         kind, flag, message = problem
         error = UnsupportedError if kind == "UnsupportedError" else InvalidArgumentError
@@ -257,10 +258,19 @@ def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
     return run
 
 
-def comm_allgather(value: Any) -> list[Any]:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.allgather(value)
+def comm_allgather(comm: Any, value: Any, timeout: float | None = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, through ``comm``'s own
+    collectives: their timeout turns a rank that stopped into an error naming
+    it (a plain MPI allgather would wait forever). Two exact sum-allreduces:
+    the sizes, then a table that is zero outside each rank's row."""
+    blob = np.frombuffer(pickle.dumps(value), dtype=np.uint8)
+    sizes = np.zeros(comm.size, dtype=np.int64)
+    sizes[comm.rank] = blob.size
+    comm.allreduce(sizes, "sum", timeout=timeout)
+    table = np.zeros((comm.size, int(sizes.max())), dtype=np.uint8)
+    table[comm.rank, :blob.size] = blob
+    comm.allreduce(table, "sum", timeout=timeout)
+    return [pickle.loads(table[r, :sizes[r]].tobytes()) for r in range(comm.size)]
 
 
 def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
@@ -289,20 +299,20 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     for m, loop in loops.items():
         stats = loop.statistics()  # type: ignore[attr-defined]
         mine = (stats.get("fresh_contributions", 0), stats.get("stale_contributions", 0))
-        f, s = (sum(v) for v in zip(*comm_allgather(mine)))
+        f, s = (sum(v) for v in zip(*comm_allgather(comm, mine)))
         fresh[m] = f / (f + s) if f + s else None  # share of contributions that were current
         merged: dict[int, int] = {}
-        for hist in comm_allgather(stats.get("staleness_histogram", {})):
+        for hist in comm_allgather(comm, stats.get("staleness_histogram", {})):
             for k, v in hist.items():
                 merged[int(k)] = merged.get(int(k), 0) + int(v)
         staleness[m] = dict(sorted(merged.items()))
         # Mean seconds per iteration inside the collective, per rank (timed rounds).
-        waits[m] = comm_allgather(statistics.median(loop.waits[1:]))  # type: ignore[attr-defined]
+        waits[m] = comm_allgather(comm, statistics.median(loop.waits[1:]))  # type: ignore[attr-defined]
         loop.close()  # type: ignore[attr-defined]
 
     rates: dict[str, float] = {}
     for m in methods:  # a run lasts until its slowest rank is done
-        per_round = [max(comm_allgather(v)) for v in samples[m]]
+        per_round = [max(comm_allgather(comm, v)) for v in samples[m]]
         rates[m] = steps / statistics.median(per_round)
     blocking = imb.iterations_per_second_blocking(injector, args.compute, steps=steps)
     waitavoid = imb.iterations_per_second_wait_avoiding(
