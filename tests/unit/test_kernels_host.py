@@ -746,3 +746,120 @@ def test_rows_reducer_checks_its_parts_when_made() -> None:
         H.rows_reducer("sum", D.FLOAT32, [np.zeros(2, np.float32), np.zeros(3, np.float32)])
     with pytest.raises(InvalidArgumentError, match="with_dst"):
         H.rows_reducer("max", D.FLOAT32, [np.zeros(2, np.float32)], with_dst=True)
+
+
+# ----------------------------------------------------------------- review regressions
+
+
+@pytest.mark.parametrize("dt", [D.FLOAT16, D.BFLOAT16, D.FLOAT32, D.FLOAT64],
+                         ids=["float16", "bfloat16", "float32", "float64"])
+def test_scale_by_one_still_canonicalises_nan(dt: D.DType) -> None:
+    """x / 1 is x, but a NaN result must still be the canonical NaN (a group
+    of one averages too), and scale_into(x, 1) must equal
+    average_into(x, [x], 1) as its docstring says."""
+    if dt.is_half:
+        x = np.array([0xFE01, 0x7D00, 0x3C00] if dt.name == "float16"
+                     else [0xFF81, 0x7F81, 0x3F80], np.uint16)
+    else:
+        u = np.array([0x7F800001, 0xFFC00005, 0x3F800000], np.uint32)
+        if dt.name == "float64":
+            u = np.array([0x7FF0000000000001, 0xFFF8000000000005, 0x3FF0000000000000],
+                         np.uint64)
+        x = u.view(dt.storage)
+    via_avg = x.copy()
+    H.average_into(via_avg, [via_avg], 1, dt)
+    H.scale_into(x, 1, dt)
+    assert bits(x).tolist() == bits(via_avg).tolist()
+    assert bits(x).tolist()[:2] == [CANON_NAN[dt.name]] * 2
+    assert x[2] == via_avg[2]  # 1.0 unchanged
+
+
+@pytest.mark.parametrize("dt", [D.UINT8, D.INT32], ids=["uint8", "int32"])
+def test_scale_integer_divisor_beyond_dtype_makes_no_temporaries(
+        dt: D.DType, rng: np.random.Generator) -> None:
+    """uint8 ``avg`` over >= 256 ranks divides by more than the dtype holds:
+    the floor is then 0 or -1, written in place; it used to build an int64
+    temporary 8x the buffer (plus two more)."""
+    import tracemalloc
+
+    n = 1 << 20
+    x = sample(dt, n, rng)
+    divisor = 300 if dt.name == "uint8" else (1 << 31) + 5
+    ref = np.array([int(v) // divisor for v in x[:4096].tolist()], dt.storage)
+    tracemalloc.start()
+    try:
+        H.scale_into(x, divisor, dt)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(x[:4096], ref)
+    assert set(np.unique(x).tolist()) <= ({0} if dt.name == "uint8" else {0, -1})
+    assert peak < x.nbytes // 4, f"scale_into allocated {peak} bytes for a {x.nbytes}-byte buffer"
+
+
+def test_rows_reducer_keeps_its_parts_alive() -> None:
+    """The reducer reads its parts by address: it must hold them, or a
+    caller that keeps only the reducer reads freed memory."""
+    import gc
+    import weakref
+
+    for op in ("sum", "avg", "max"):
+        part = np.full(5000, 3.0)
+        alive = weakref.ref(part)
+        reduce = H.rows_reducer(op, D.FLOAT64, [part], 1)
+        del part
+        gc.collect()
+        assert alive() is not None, op
+        clobber = [np.full(5000, 7.0) for _ in range(8)]  # would reuse the freed block
+        out = np.zeros(5000)
+        reduce(out)
+        assert np.all(out == 3.0), op
+        del clobber
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_threaded_kernels_work_in_a_forked_child() -> None:
+    """A child forked after the kernel thread pool started inherits the pool
+    object but none of its threads: a threaded reduction there waited
+    forever. The child must get a pool of its own."""
+    code = (
+        "import os, signal, numpy as np\n"
+        "from wagma_comm import dtypes as D\n"
+        "from wagma_comm.kernels import host as H\n"
+        "H._nthreads = 2\n"
+        "a = np.ones(1 << 20, np.float32)\n"
+        "H.reduce_into(a, a, 'sum', D.FLOAT32)  # starts the pool\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    signal.alarm(30)  # a hung child dies instead of lingering\n"
+        "    b = np.ones(1 << 20, np.float32)\n"
+        "    H.reduce_into(b, b, 'sum', D.FLOAT32)\n"
+        "    os._exit(0 if np.all(b == 2) else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+    )
+    root = Path(H.__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
+                          capture_output=True, text=True, check=True)
+    child = proc.stdout.strip().splitlines()[-1]
+    assert child == "0", f"forked child: exit status {child} (-14: hung until SIGALRM)"
+
+
+def test_partial_overlap_with_dst_is_refused() -> None:
+    """src/parts overlapping dst without being dst computed a running sum
+    (the loop reads elements it already wrote) with no error; now a
+    BufferError naming the argument. dst itself, as any view, still works."""
+    buf = np.arange(20.0)
+    with pytest.raises(BufferError, match="src"):
+        H.reduce_into(buf[1:], buf[:-1], "sum", D.FLOAT64)
+    with pytest.raises(BufferError, match=r"parts\[1\]"):
+        H.average_into(buf[:10], [np.zeros(10), buf[5:15]], 2, D.FLOAT64)
+    np.testing.assert_array_equal(buf, np.arange(20.0))  # nothing written
+    same = buf[:10].view()  # dst's memory through another array object
+    H.reduce_into(buf[:10], same, "sum", D.FLOAT64)
+    H.average_into(buf[:10], [same, np.zeros(10)], 2, D.FLOAT64)
+    np.testing.assert_array_equal(buf[:10], np.arange(10.0))
+    H.reduce_into(buf[:10], buf[10:], "sum", D.FLOAT64)  # adjacent, disjoint
+    np.testing.assert_array_equal(buf[:10], np.arange(10.0) + np.arange(10.0, 20.0))

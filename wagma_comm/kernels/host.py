@@ -5,7 +5,7 @@ is ``DType.storage`` (float16 and bfloat16 arrive as uint16 bit patterns, since
 neither NumPy nor numba does bfloat16 arithmetic). Everything works in place on
 ``dst``.
 
-Numerics (each point is checked by tests/test_kernels_host.py):
+Numerics (each point is checked by tests/unit/test_kernels_host.py):
 
 * 16-bit floats are widened to float32, combined, and rounded back once,
   round-to-nearest-even (RNE). For ``+`` and ``*`` float32 has at least ``2p+2``
@@ -763,6 +763,18 @@ _pool: ThreadPoolExecutor | None = None
 _nthreads: int | None = None
 
 
+def _forget_pool_after_fork() -> None:
+    """A forked child has none of the parent's pool threads: work submitted
+    to the inherited pool would wait forever, so the child starts its own."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
 def _threads() -> int:
     """WAGMA_HOST_THREADS, parsed once; 1 (serial) unless set to an int > 1."""
     global _nthreads
@@ -832,6 +844,14 @@ def _flat(arr: object, dtype: DType, argument: str, n: int | None = None,
     return arr
 
 
+def _check_no_overlap(d: np.ndarray, other: np.ndarray, argument: str) -> None:
+    """``other`` is ``d``'s memory or disjoint from it: a partial overlap makes
+    the element-wise result depend on the loop order (a prefix sum, not a sum)."""
+    if np.may_share_memory(d, other) and other.ctypes.data != d.ctypes.data:
+        raise BufferError(argument, "overlaps dst partially; pass dst itself or a "
+                          "disjoint array")
+
+
 def _half_kind(dtype: DType) -> int:
     return _BF16 if dtype.name == "bfloat16" else _F16
 
@@ -855,7 +875,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None
     Symmetric bit for bit: ``reduce_into(a, b)`` and ``reduce_into(b, a)`` leave
     the same bits (NaN results are canonical), so group members that combine the
     same two buffers in different roles agree exactly. ``src`` may be ``dst``
-    but must not otherwise overlap it. Arrays: C-contiguous, dtype
+    but must not otherwise overlap it (BufferError). Arrays: C-contiguous, dtype
     ``dtype.storage``, same size (any shape; treated as 1-D).
     """
     code = _OP_CODES.get(op) if isinstance(op, str) else None
@@ -863,6 +883,7 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: str, dtype: DType) -> None
         raise InvalidArgumentError("op", f"unknown op {op!r}; expected one of {list(_OP_CODES)}")
     d = _flat(dst, dtype, "dst", writable=True)
     s = _flat(src, dtype, "src", d.size)
+    _check_no_overlap(d, s, "src")
     if d.size == 0:
         return
     kernel = _reduce_kernel(dtype, code)
@@ -942,7 +963,8 @@ def scale_into(dst: np.ndarray, divisor: int, dtype: DType) -> None:
     """
     value = _check_divisor(divisor, dtype)
     d = _flat(dst, dtype, "dst", writable=True)
-    if d.size == 0 or value == 1:
+    # divisor 1 still runs for floats: x / 1 is x, but NaNs must come out canonical
+    if d.size == 0 or (value == 1 and not dtype.is_float):
         return
     if dtype.is_half:
         _average(d, (d,), value, dtype)
@@ -953,8 +975,13 @@ def scale_into(dst: np.ndarray, divisor: int, dtype: DType) -> None:
     info = np.iinfo(dtype.storage)
     if value > info.max:
         # NumPy refuses a scalar the dtype cannot hold; |x| < divisor here, so
-        # floor(x / divisor) is 0 for x >= 0 and -1 for x < 0.
-        np.copyto(d, np.where(d < 0, -1, 0).astype(dtype.storage))
+        # floor(x / divisor) is 0 for x >= 0 and -1 for x < 0: the sign bit
+        # shifted across (in place, no temporaries: uint8 avg over >= 256 ranks).
+        if info.min == 0:
+            d.fill(0)
+        else:
+            _run(lambda a, b: np.right_shift(d[a:b], info.bits - 1, out=d[a:b]),
+                 d.size, d.itemsize)
         return
     divisor_arr = np.asarray(value, dtype=dtype.storage)
     _run(lambda a, b: np.floor_divide(d[a:b], divisor_arr, out=d[a:b]), d.size, d.itemsize)
@@ -965,8 +992,8 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
     """``dst = (sum of parts) / divisor`` in one pass: WAGMA's fused group average.
 
     ``parts`` (at least one) may include ``dst`` itself but must not otherwise
-    overlap it. Each element is accumulated in float32 for float16/bfloat16,
-    float64 for float32/float64 and int64 for integers, in the order of
+    overlap it (BufferError). Each element is accumulated in float32 for
+    float16/bfloat16, float64 for float32/float64 and int64 for integers, in the order of
     ``parts`` -- pass them in the same order on every rank (e.g. rank order) for
     bitwise-identical results, since float addition is not associative. Then:
 
@@ -989,6 +1016,8 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
         raise InvalidArgumentError("parts", "expected at least one array")
     flat = [d if p is dst else _flat(p, dtype, f"parts[{i}]", d.size)
             for i, p in enumerate(parts)]
+    for i, p in enumerate(flat):
+        _check_no_overlap(d, p, f"parts[{i}]")
     if d.size == 0:
         return
     _average(d, flat, value, dtype)
@@ -1027,7 +1056,8 @@ def rows_reducer(op: str, dtype: DType, parts: Sequence[np.ndarray],
             average = _average_bf16 if _half_kind(dtype) == _BF16 else _average_f16
         else:
             average = _average_float if dtype.is_float else _average_int
-        return lambda d: average(d, addrs, value)
+        # flat rides along: the kernel reads the parts by address only
+        return lambda d, _keep=flat: average(d, addrs, value)
     first, rest = flat[0], flat[1:]
     kernel = reducer(op, dtype, first.size)
 
