@@ -652,6 +652,15 @@ def test_threads_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     assert H._threads() == 4
 
 
+def _run_python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter that imports this checkout; its stdout."""
+    root = Path(H.__file__).resolve().parents[2]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
+                          capture_output=True, text=True, check=True).stdout
+
+
 def test_import_compiles_nothing() -> None:
     """Importing the module leaves every numba dispatcher uncompiled (lazy JIT)."""
     code = (
@@ -662,10 +671,7 @@ def test_import_compiles_nothing() -> None:
         "compiled = [d.py_func.__name__ for d in ds if d.signatures]\n"
         "assert not compiled, compiled\n"
     )
-    root = Path(H.__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    _run_python(code)
 
 
 @pytest.mark.parametrize("name", sorted(D.BY_NAME))
@@ -838,12 +844,7 @@ def test_threaded_kernels_work_in_a_forked_child() -> None:
         "_, status = os.waitpid(pid, 0)\n"
         "print(os.waitstatus_to_exitcode(status))\n"
     )
-    root = Path(H.__file__).resolve().parents[2]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
-                          capture_output=True, text=True, check=True)
-    child = proc.stdout.strip().splitlines()[-1]
+    child = _run_python(code).strip().splitlines()[-1]
     assert child == "0", f"forked child: exit status {child} (-14: hung until SIGALRM)"
 
 
