@@ -23,6 +23,7 @@ from . import groups as groups_mod
 from .buffers import Buffer, as_buffer, cuda_device
 from .dtypes import UINT8, DType, check_op
 from .errors import (
+    BufferError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
     InvalidArgumentError,
@@ -70,6 +71,25 @@ EXIT_DRAIN_S = 10.0
 most its own timeout; ``WAGMA_EXIT_DRAIN`` overrides, in seconds) to finish
 what is in flight; whatever is left is then cancelled (see ``_close_all_at_exit``)."""
 
+
+def _exit_drain_s() -> float:
+    """:data:`EXIT_DRAIN_S`, or ``WAGMA_EXIT_DRAIN`` seconds (>= 0). A bad
+    value is reported on stderr and the default used: raised in the atexit
+    hook, it left the communicator marked closed but never closed."""
+    env = os.environ.get("WAGMA_EXIT_DRAIN", "").strip()
+    if not env:
+        return EXIT_DRAIN_S
+    try:
+        value = float(env)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also NaN
+        sys.stderr.write(f"wagma_comm: WAGMA_EXIT_DRAIN={env!r} is not a number of seconds "
+                         f">= 0; draining for {EXIT_DRAIN_S:g} s\n")
+        return EXIT_DRAIN_S
+    return value
+
+
 _LIVE: list["Communicator"] = []  # open communicators, oldest first
 _LIVE_LOCK = threading.Lock()
 _EXIT_HOOK = False
@@ -114,6 +134,26 @@ def _nan_check(collective: str, op: str, buffer: Buffer) -> Callable[[], None]:
                 "the result is NaN; the buffer holds that reduced result (every member "
                 "raises this; the communicator stays usable)")
     return check
+
+
+def _host_buffer(buf: Any) -> Buffer:
+    """``as_buffer`` for the host paths, refusing a buffer not aligned to its
+    element size (a NumPy view at an odd byte offset): the message path hands
+    it to MPI as a typed buffer, which mpi4py cannot map (NumPy exports it as
+    '=f'), so it broke the communicator mid-collective instead of being
+    refused before any message, and it ran on one host only."""
+    buffer = as_buffer(buf, "buf")
+    owner = buffer.owner
+    if isinstance(owner, np.ndarray):
+        aligned = owner.flags.aligned
+    else:
+        aligned = buffer.ptr % buffer.dtype.itemsize == 0
+    if not aligned:
+        raise BufferError(
+            "buf", f"buffer is not aligned to its element size ({buffer.dtype.itemsize} "
+            f"bytes for {buffer.dtype.name}), which MPI cannot send; pass an aligned copy "
+            "(np.require(x, requirements='A'), x.copy())")
+    return buffer
 
 
 def _cancelled() -> CommunicatorClosedError:
@@ -257,7 +297,7 @@ class Communicator:
                 fast = None
             if fast is not None:
                 flags = buf.flags
-                if flags.c_contiguous and flags.writeable:
+                if flags.c_contiguous and flags.writeable and flags.aligned:
                     return self._submit_small(
                         fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage),
                         buf, async_op)
@@ -322,7 +362,7 @@ class Communicator:
             result = self._try_small(fast_key, buf, async_op)
             if result is not NOT_INLINE:
                 return result
-        buffer = as_buffer(buf, "buf")
+        buffer = _host_buffer(buf)
         deadline_s = self._call_timeout(timeout)
         sched, text = self._prepared_call(
             ("broadcast", root, algorithm, buffer.count, buffer.dtype.name),
@@ -513,8 +553,7 @@ class Communicator:
         self._forget()
         before = self.statistics()
         pending = before["in_flight"]
-        env = os.environ.get("WAGMA_EXIT_DRAIN")
-        drain = min(self._timeout, float(env) if env else EXIT_DRAIN_S)
+        drain = min(self._timeout, _exit_drain_s())
         shared_cancelled = (self._shared.drain(_cancelled(), until=time.monotonic() + drain)
                             if self._shared is not None else 0)
         where = f"wagma_comm: rank {self.rank}/{self.size}:"
@@ -530,8 +569,11 @@ class Communicator:
                              f"flight and the communicator not closed; finishing them "
                              f"(at most {drain:g} s), then cancelling the rest\n")
         self._engine.close(cancel=False, timeout=drain)
-        cancelled = self._engine.alive()
-        if cancelled:
+        cancelled = False
+        if self._engine.alive():
+            # Only what the drain left is cancelled: a thread not yet stopped
+            # with nothing in flight (a drain of 0 s) cancels nothing.
+            cancelled = self._engine.in_flight() > 0
             self._engine.close(cancel=True, timeout=5.0)
         cancelled = cancelled or shared_cancelled > 0
         failed = self.statistics()["failed"] - before["failed"]
@@ -599,7 +641,7 @@ class Communicator:
                 fast_key: tuple[Any, ...] | None = None) -> Any:
         self._check_open()
         check_op(op)
-        buffer = as_buffer(buf, "buf")
+        buffer = _host_buffer(buf)
         deadline_s = self._timeout if timeout is None else _check_timeout(timeout)
         # What the arguments compile to depends on nothing else: a training
         # loop or a benchmark repeats the same call, so it is worked out once
@@ -630,7 +672,7 @@ class Communicator:
         if fast is None:
             return NOT_INLINE
         flags = buf.flags
-        if not (flags.c_contiguous and flags.writeable):
+        if not (flags.c_contiguous and flags.writeable and flags.aligned):
             return NOT_INLINE  # the full path names the problem
         return self._submit_small(
             fast, buf if fast.flat else buf.reshape(-1).view(fast.dtype.storage), buf, async_op)
@@ -1047,11 +1089,20 @@ class Communicator:
 
 
 def _default_timeout(timeout: float | None) -> float:
-    """``timeout``, else ``WAGMA_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
+    """``timeout``, else ``WAGMA_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
+    A bad ``WAGMA_TIMEOUT`` is an InvalidArgumentError naming the variable
+    (not a bare ValueError, nor one blaming a ``timeout`` nobody passed)."""
     if timeout is not None:
         return timeout
-    env_timeout = os.environ.get("WAGMA_TIMEOUT")
-    return float(env_timeout) if env_timeout else DEFAULT_TIMEOUT_S
+    env_timeout = os.environ.get("WAGMA_TIMEOUT", "").strip()
+    if not env_timeout:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(env_timeout)
+    except ValueError:
+        raise InvalidArgumentError(
+            "WAGMA_TIMEOUT", f"expected seconds as a number, got {env_timeout!r}") from None
+    return _check_timeout(value, "WAGMA_TIMEOUT")
 
 
 def init(timeout: float | None = None, *, mpi_comm: Any = None,
@@ -1065,6 +1116,8 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     CollectiveTimeoutError instead of waiting forever.
     """
     deadline_s = _check_timeout(_default_timeout(timeout))  # before any MPI call
+    if debug is not None and not isinstance(debug, bool):
+        raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI
 
     from .transport.mpi import MPITransport
@@ -1074,5 +1127,11 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
             "mpi4py", "MPI was initialised without MPI_THREAD_MULTIPLE; wagma_comm's "
             "progress thread needs it (leave mpi4py.rc.thread_level at 'multiple')")
     comm = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+    # Checked here: MPITransport would fail inside its first MPI call with an
+    # AttributeError or a raw MPI.Exception that names no argument.
+    if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+        raise InvalidArgumentError(
+            "mpi_comm", f"expected an mpi4py intracommunicator (e.g. MPI.COMM_WORLD or one "
+            f"made by Split/Dup), got {'MPI.COMM_NULL' if comm == MPI.COMM_NULL else repr(comm)}")
     return Communicator(MPITransport(comm, timeout=deadline_s), timeout=deadline_s,
                         debug_mode=debug)

@@ -43,6 +43,14 @@ class _BrokenExporter(_FakeCuda):
         raise RuntimeError("device query failed")
 
 
+def _misaligned(dtype: Any = np.float32, n: int = 4) -> np.ndarray:
+    """A writable, C-contiguous array one byte off its element alignment."""
+    size = np.dtype(dtype).itemsize
+    a = np.frombuffer(bytearray(n * size + 1), dtype=dtype, offset=1, count=n)
+    assert not a.flags.aligned and a.flags.writeable and a.flags.c_contiguous
+    return a
+
+
 def _bf16(n: int) -> np.ndarray:
     import ml_dtypes
 
@@ -137,6 +145,12 @@ BAD_INPUTS: list[tuple[str, Callable[[Communicator], Any], type, str]] = [
     ("persistent timeout nan", lambda c: c.solo_allreduce(np.zeros(2), 2,
                                                            timeout=float("nan")),
      wagma_comm.InvalidArgumentError, "timeout"),
+    # one byte off: MPI cannot send it (it broke the communicator on the message path)
+    ("misaligned", lambda c: c.allreduce(_misaligned()), wagma_comm.BufferError, "buf"),
+    ("misaligned float64 group", lambda c: c.group_allreduce(_misaligned(np.float64), 1, 0),
+     wagma_comm.BufferError, "buf"),
+    ("misaligned broadcast", lambda c: c.broadcast(_misaligned(np.int32)),
+     wagma_comm.BufferError, "buf"),
 ]
 
 
@@ -151,6 +165,39 @@ def test_bad_input_is_refused_locally_and_engine_survives(comm: Communicator, ca
     a = np.full(3, RANK + 1.0)
     comm.allreduce(a)  # the next valid collective still works
     assert a[0] == SIZE * (SIZE + 1) / 2
+
+
+def test_a_misaligned_buffer_is_refused_on_the_message_path_and_on_the_fast_path() -> None:
+    """A NumPy view one byte off its element alignment (np.frombuffer at an
+    offset): on the message path MPI was handed it as a typed buffer that
+    mpi4py cannot map, and the first collective raised TransportError and
+    broke the communicator. Now every entry point refuses it before any
+    message, also once an aligned call of the same dtype and shape has been
+    remembered for the small-message path, and the communicator goes on."""
+    with message_path():
+        c = wagma_comm.init(timeout=30)
+    try:
+        calls: list[Callable[[np.ndarray], Any]] = [
+            lambda b: c.allreduce(b, "sum"),
+            lambda b: c.group_allreduce(b, SIZE, 0, "sum"),
+            lambda b: c.broadcast(b, root=SIZE - 1),
+        ]
+        for call in calls:
+            for _ in range(2):  # the second call is remembered for the fast path
+                good = np.full(4, RANK + 1.0, np.float32)
+                call(good)
+            before = c.statistics()["completed"]
+            bad = _misaligned()
+            bad[:] = RANK + 1.0
+            with pytest.raises(wagma_comm.BufferError, match="aligned") as info:
+                call(bad)
+            assert info.value.argument == "buf"
+            assert c.statistics()["completed"] == before  # nothing was communicated
+        a = np.full(3, RANK + 1.0)
+        c.allreduce(a)  # not broken
+        assert a.tolist() == [SIZE * (SIZE + 1) / 2] * 3 and c.statistics()["broken"] is None
+    finally:
+        c.close()
 
 
 def test_closed_communicator() -> None:
