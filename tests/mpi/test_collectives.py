@@ -188,6 +188,29 @@ def test_many_outstanding_handles_complete_in_any_order(comm: wagma_comm.Communi
         check(a, members, count, name, "sum", seed=100 + i)
 
 
+def test_handle_wait_checks_its_timeout_and_names_the_one_given(
+        comm: wagma_comm.Communicator) -> None:
+    """wait("x") was a bare TypeError, wait(nan) waited out the collective's
+    deadline on the shared-memory path and wait(1e300) overflowed the lock wait;
+    the WaitTimeoutError named the time left, not the timeout passed."""
+    a = np.full(10, float(RANK))
+    if RANK == 0:
+        h = comm.allreduce(a, async_op=True)
+        for bad in ("x", True, float("nan"), -1.0):
+            with pytest.raises(wagma_comm.InvalidArgumentError, match="timeout"):
+                h.wait(timeout=bad)
+        if SIZE > 1:
+            with pytest.raises(wagma_comm.WaitTimeoutError, match=r"wait\(0\.05\)"):
+                h.wait(timeout=0.05)  # the others have not started yet
+        WORLD.Barrier()
+    else:
+        WORLD.Barrier()
+        h = comm.allreduce(a, async_op=True)
+    assert h.wait(timeout=1e300) is a  # beyond any lock wait: no limit of its own
+    assert h.wait(timeout=np.float32(1)) is a
+    assert a[0] == sum(range(SIZE))
+
+
 def test_handle_wait_with_short_timeout_keeps_collective_alive(
         comm: wagma_comm.Communicator) -> None:
     a = np.full(10, float(RANK))

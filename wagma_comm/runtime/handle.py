@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import threading
 import time
 from _thread import allocate_lock
 from typing import Any, Callable
 
-from ..errors import CollectiveTimeoutError, CommunicatorClosedError, WaitTimeoutError
+from ..errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    WaitTimeoutError,
+)
 
 # How long a waiter trusts the engine past the collective's own deadline before
 # concluding the progress thread itself is gone (it fails runs at the deadline).
@@ -93,8 +101,12 @@ class Handle:
         Without ``timeout`` it waits at most until the collective's own deadline
         (when the engine turns a hang into CollectiveTimeoutError). With
         ``timeout`` it raises WaitTimeoutError after that many seconds, and the
-        collective keeps running.
+        collective keeps running. A ``timeout`` beyond what a lock wait takes
+        (``threading.TIMEOUT_MAX``, infinity) is the same as none.
         """
+        given = timeout
+        if timeout is not None:
+            timeout = _check_wait_timeout(timeout)
         if self._drive is not None and not self._done:
             start = time.monotonic()
             self._drive(self, self._deadline if timeout is None else start + timeout)
@@ -104,7 +116,7 @@ class Handle:
             if not self._wait_done(timeout):
                 raise WaitTimeoutError(
                     f"{self.collective} (round {self.round}) still running after "
-                    f"wait({timeout}); call wait() again"
+                    f"wait({given}); call wait() again"
                 )
         else:
             while not self._wait_done(0.5):
@@ -132,3 +144,15 @@ class Handle:
     def __repr__(self) -> str:
         state = "done" if self.done else "pending"
         return f"<Handle {self.collective} round={self.round} {state}>"
+
+
+def _check_wait_timeout(timeout: Any) -> float | None:
+    """``wait``'s timeout as seconds, or None for no limit of its own. Checked
+    first: a string failed deep inside with a bare TypeError, NaN waited out
+    the collective's whole deadline and 1e300 overflowed the lock wait."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise InvalidArgumentError("timeout", f"expected seconds as a number or None, "
+                                              f"got {timeout!r}")
+    if math.isnan(timeout) or timeout < 0:
+        raise InvalidArgumentError("timeout", f"must be >= 0 seconds or None, got {timeout!r}")
+    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
