@@ -714,6 +714,103 @@ def test_a_duplication_some_rank_never_joins_times_out(what: str) -> None:
     sub.Free()
 
 
+def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
+    """The others' init() times out waiting for the late rank; it arrives
+    after, while they still drive MPI, so its first duplication completes.
+    Its next steps are collectives the others never call: it must raise
+    CollectiveTimeoutError at its own deadline (it used to block in a
+    blocking Dup for ever)."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import threading
+
+    from wagma_comm.transport import mpi as mpi_transport
+
+    sub = WORLD.Dup()
+    slow = SIZE - 1
+    if RANK != slow:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError, match="duplicating"):
+            wagma_comm.init(timeout=0.3, mpi_comm=sub)
+        dup, request = mpi_transport.ABANDONED.pop()
+    WORLD.Barrier()  # the others gave up before the late rank calls init()
+    if RANK != slow:
+        deadline = time.monotonic() + 20
+        while not request.Test():  # driving MPI: the late rank's duplication completes
+            assert time.monotonic() < deadline, "the late rank's duplication never came"
+            time.sleep(1e-3)
+    else:
+        outcome: list[BaseException | None] = []
+
+        def late() -> None:
+            try:
+                wagma_comm.init(timeout=2, mpi_comm=sub).close()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 -- the test looks at it
+                outcome.append(exc)
+        started = time.monotonic()
+        thread = threading.Thread(target=late, daemon=True)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "init() blocked past its timeout"
+        assert time.monotonic() - started < 10
+        error = outcome[0]
+        assert isinstance(error, wagma_comm.CollectiveTimeoutError), error
+        assert error.collective == "init()" and "gave up on init()" in str(error)
+        # its abandoned second step: a duplication of what the first made
+        dup, request = mpi_transport.ABANDONED.pop()
+    WORLD.Barrier()
+    if RANK != slow:  # the others join that step, so nothing stays pending
+        dup, request = dup.Idup()
+    request.Wait()
+    dup.Free()
+    sub.Free()
+
+
+def test_opening_channels_no_peer_joins_times_out() -> None:
+    """A persistent collective's channels are duplicated on the progress
+    thread once a barrier completed there; a peer whose barrier timed out
+    just before never duplicates. The rank that got through must raise
+    CollectiveTimeoutError within the communicator's timeout (it used to
+    block in a blocking Dup for ever, its progress thread with it)."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import threading
+
+    from wagma_comm.transport import mpi as mpi_transport
+    from wagma_comm.transport.mpi import MPITransport
+
+    WORLD.Barrier()
+    transport = MPITransport(WORLD, timeout=5)
+    try:
+        if RANK == 0:  # alone: the others stay away
+            outcome: list[BaseException | None] = []
+
+            def open_alone() -> None:
+                try:
+                    transport.open_channels(["p9.data"])
+                    outcome.append(None)
+                except BaseException as exc:  # noqa: BLE001 -- the test looks at it
+                    outcome.append(exc)
+            started = time.monotonic()
+            thread = threading.Thread(target=open_alone, daemon=True)
+            thread.start()
+            thread.join(30)
+            assert not thread.is_alive(), "open_channels() blocked past the timeout"
+            assert 4 < time.monotonic() - started < 20
+            error = outcome[0]
+            assert isinstance(error, wagma_comm.CollectiveTimeoutError), error
+            assert "p9.data" in str(error) and "set-up of channels" in error.collective
+            assert "p9.data" not in transport._comms
+            dup, request = mpi_transport.ABANDONED.pop()
+        WORLD.Barrier()
+        if RANK != 0:  # join late, so that nothing stays pending
+            dup, request = transport._comms["data"].Idup()
+        request.Wait()
+        dup.Free()
+    finally:
+        transport.close()
+
+
 def test_close_frees_the_duplicate_init_made_first() -> None:
     from wagma_comm.transport import mpi as mpi_transport
 

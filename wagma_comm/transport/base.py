@@ -162,7 +162,10 @@ class Transport(ABC):
     def open_channels(self, names: Sequence[str]) -> None:
         """Create channels beyond the built-in ones (a persistent collective's
         own message space). Blocking and collective over all ranks, in the same
-        order everywhere: called only after a barrier proved every rank there."""
+        order everywhere: called only after a barrier proved every rank there.
+        A barrier that completed here may have timed out on a peer, which then
+        never joins: raises CollectiveTimeoutError after the transport's
+        timeout rather than blocking for ever."""
 
     @abstractmethod
     def close_channels(self, names: Sequence[str]) -> None:
@@ -176,7 +179,10 @@ class Transport(ABC):
     def create_group(self, ranks: Sequence[int]) -> None:
         """Create what native collectives over ``ranks`` need. Blocking and
         collective over ``ranks``: the engine calls it only after a barrier over
-        them completed, so every member is known to be present."""
+        them completed, so every member is known to be present. Over MPI it
+        is not bounded (MPI has no non-blocking MPI_Comm_create_group): a
+        member whose barrier timed out just as it completed here never calls
+        it, and this call then blocks for good (a known limit)."""
 
     @abstractmethod
     def native_allreduce(self, array: np.ndarray, op: str, dtype: DType,

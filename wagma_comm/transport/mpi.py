@@ -9,6 +9,7 @@ the engine never lets two collectives ``window`` apart be in flight together.
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import time
 from typing import Any, Callable, Sequence
@@ -77,34 +78,100 @@ class MPITransport(Transport):
     name = "mpi"
 
     def __init__(self, comm: MPI.Comm, timeout: float = 300.0) -> None:
-        # Every rank must arrive within ``timeout``; once this duplication
-        # completes, all have, so the calls below cannot wait for an absent one.
+        # Every rank must arrive within ``timeout``, and every step after the
+        # first duplication is bounded by the same deadline: a rank whose peer
+        # gave up on init() at its own deadline (the peer's duplication timed
+        # out just as this rank's completed) raises here instead of blocking
+        # for ever in a collective that peer never calls.
+        deadline = time.monotonic() + timeout
+        self._timeout = timeout  # what later blocking set-ups wait at most
         user_comm, comm = comm, dup_with_deadline(comm, timeout, "init()")
-        self._base = comm
-        self._comms = {ch: comm.Dup() for ch in CHANNELS}
-        for c in self._comms.values():
-            c.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        # (host, pid) of every rank, for the liveness check, and what decides
-        # whether doorbells and the shared-memory segment reach everyone;
-        # init is collective already (the Dup calls above), so these calls
-        # cannot hang alone. Rank 0 makes the segment first, so the others
-        # can map it as soon as the gather tells them its name.
-        nonce = secrets.token_hex(8)
-        segment = self._create_segment(nonce)
-        gathered = comm.allgather((identity(), doorbell_key(), nonce, segment is not None))
-        self.identities = [who for who, _, _, _ in gathered]
-        self.doorbell, self.shared_segment = self._agree_on_host_paths(comm, gathered, segment)
+        made = [comm]  # kept, never freed, if a later step fails (see _abandon_init)
+        segment: Segment | None = None
+        self.doorbell, self.shared_segment = None, None
+        try:
+            self._base = comm
+            self._comms = {}
+            for ch in CHANNELS:
+                self._comms[ch] = dup = self._init_dup(comm, deadline, timeout, f"channel {ch!r}")
+                made.append(dup)
+                dup.Set_errhandler(MPI.ERRORS_RETURN)
+            self.rank = comm.Get_rank()
+            self.size = comm.Get_size()
+            # (host, pid) of every rank, for the liveness check, and what
+            # decides whether doorbells and the shared-memory segment reach
+            # everyone. Rank 0 makes the segment first, so the others can map
+            # it as soon as the gather tells them its name.
+            nonce = secrets.token_hex(8)
+            segment = self._create_segment(nonce)
+            gathered = self._init_allgather(
+                comm, (identity(), doorbell_key(), nonce, segment is not None), deadline, timeout)
+            self.identities = [who for who, _, _, _ in gathered]
+            self.doorbell, self.shared_segment = self._agree_on_host_paths(
+                comm, gathered, segment, deadline, timeout)
+            segment = None  # _agree_on_host_paths owns it now
+            # Group creation gets a communicator of its own: Create_group's tag
+            # must not collide with any (seq, msg) tag of a channel.
+            self._create_comm = self._init_dup(comm, deadline, timeout, "group creation")
+            made.append(self._create_comm)
+        except BaseException:
+            self._abandon_init(made, segment)
+            raise
         tag_ub = user_comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
-        # Group creation gets a communicator of its own: Create_group's tag
-        # must not collide with any (seq, msg) tag of a channel.
-        self._create_comm = comm.Dup()
         self._world_group = self._comms[CHANNELS[0]].Get_group()
         self._groups: dict[tuple[int, ...], MPI.Comm] = {}
         self._everyone = tuple(range(self.size))
         self._bound: dict[str, tuple[Any, Any]] = {}  # channel -> (Isend, Irecv)
+
+    @staticmethod
+    def _init_wait(request: MPI.Request, uses: Any, deadline: float, timeout: float,
+                   step: str) -> None:
+        """Wait for one of init()'s collective steps until init()'s deadline."""
+        wait_with_deadline(request, uses, deadline, "init()",
+                           detail=f"{step} did not complete within the {timeout:g} s of "
+                           "init(): a rank gave up on init() at its own deadline, or "
+                           "stopped before this step")
+
+    def _init_dup(self, comm: MPI.Comm, deadline: float, timeout: float,
+                  purpose: str) -> MPI.Comm:
+        dup, request = comm.Idup()
+        self._init_wait(request, dup, deadline, timeout,
+                        f"duplicating the communicator for {purpose}")
+        return dup
+
+    def _init_allgather(self, comm: MPI.Comm, mine: Any, deadline: float,
+                        timeout: float) -> list[Any]:
+        """``comm.allgather(mine)`` bounded by ``deadline`` (non-blocking: the
+        lengths, then the pickled objects)."""
+        data = np.frombuffer(pickle.dumps(mine), dtype=np.uint8)
+        length = np.array([data.size], dtype=np.int64)
+        lengths = np.zeros(comm.Get_size(), dtype=np.int64)
+        self._init_wait(comm.Iallgather([length, MPI.INT64_T], [lengths, MPI.INT64_T]),
+                        (length, lengths), deadline, timeout, "the exchange of identities")
+        counts = [int(n) for n in lengths]
+        displs = [0] * len(counts)
+        for r in range(1, len(counts)):
+            displs[r] = displs[r - 1] + counts[r - 1]
+        out = np.empty(sum(counts), dtype=np.uint8)
+        self._init_wait(comm.Iallgatherv([data, MPI.BYTE], [out, (counts, displs), MPI.BYTE]),
+                        (data, out), deadline, timeout, "the exchange of identities")
+        return [pickle.loads(out[d:d + n].tobytes()) for d, n in zip(displs, counts)]
+
+    def _abandon_init(self, made: list[MPI.Comm], segment: Segment | None) -> None:
+        """After a failed init(): nothing left in /dev/shm, no bell bound, and
+        the communicators made so far kept, never freed (a peer whose init()
+        completed may already send on them; a freed context would be reused)."""
+        _KEPT.extend(made)
+        for held in (segment, self.shared_segment):
+            if held is not None:
+                if self.rank == 0:
+                    held.unlink()
+                held.close()
+        self.shared_segment = None
+        if self.doorbell is not None:
+            self.doorbell.close()
+            self.doorbell = None
 
     def _create_segment(self, nonce: str) -> Segment | None:
         """Rank 0's shared-memory segment (None elsewhere, or where it cannot
@@ -119,7 +186,8 @@ class MPITransport(Transport):
 
     def _agree_on_host_paths(
             self, comm: MPI.Comm, gathered: list[tuple[tuple[str, int], str | None, str, bool]],
-            segment: Segment | None) -> tuple[Doorbell | None, Segment | None]:
+            segment: Segment | None, deadline: float,
+            timeout: float) -> tuple[Doorbell | None, Segment | None]:
         """Doorbells when every rank shares this host and network namespace,
         and the shared-memory segment when every rank could map it (decided
         alike everywhere: one reduction of what each rank managed), both
@@ -142,7 +210,20 @@ class MPITransport(Transport):
                 segment = Segment.attach(nonce, self.size)
             except OSError:
                 pass  # this rank cannot map it, so nobody uses it
-        agreed = comm.allreduce((bell is not None) | (segment is not None) << 1, op=MPI.BAND)
+        flags = np.array([(bell is not None) | (segment is not None) << 1], dtype=np.int64)
+        try:
+            self._init_wait(comm.Iallreduce(MPI.IN_PLACE, [flags, MPI.INT64_T], MPI.BAND),
+                            flags, deadline, timeout, "the agreement on doorbells and "
+                            "shared memory")
+        except BaseException:
+            if segment is not None:
+                if self.rank == 0:
+                    segment.unlink()
+                segment.close()
+            if bell is not None:
+                bell.close()
+            raise
+        agreed = int(flags[0])
         if self.rank == 0 and segment is not None:
             segment.unlink()  # every rank has mapped it or given up
         if not agreed & 1 and bell is not None:
@@ -200,11 +281,20 @@ class MPITransport(Transport):
         return self._comms[channel].Irecv(array, MPI.ANY_SOURCE, self._tag(0, 0))
 
     def open_channels(self, names: Sequence[str]) -> None:
+        # Bounded by the communicator's timeout: the barrier before this call
+        # completing here does not mean every rank saw it complete (a peer's
+        # may have timed out just before), and such a peer never duplicates.
         base = self._comms[CHANNELS[0]]
+        deadline = time.monotonic() + self._timeout
         for name in names:
             if name in self._comms:
                 raise TransportError(f"channel {name!r} already open")
-            comm = base.Dup()
+            comm, request = base.Idup()
+            wait_with_deadline(
+                request, comm, deadline, f"set-up of channels {list(names)}",
+                detail=f"duplicating the communicator for channel {name!r} did not complete "
+                f"within {self._timeout:g} s: a rank gave up on the set-up (its barrier "
+                "timed out) or stopped")
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             self._comms[name] = comm
 
