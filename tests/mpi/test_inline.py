@@ -392,3 +392,120 @@ def test_call_counts_stay_exact_with_threads_and_cache_overflow(
         c.close()
     assert not errors, errors[:3]
     assert c.statistics()["calls"]["allreduce"] == 3 * calls
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_interrupt_setting_up_a_program_that_ran_before_keeps_the_communicator(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
+    """Ctrl-C while a program that ran before is set up again (its scratch
+    dropped, as after a run the engine took over): the requests of its
+    earlier runs are not this call's, so nothing counts as sent, the
+    communicator stays usable and the next call gets its result. The
+    straight line once took its last run's requests for this call's and
+    broke the communicator."""
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
+    c = wagma_comm.init(timeout=20)
+    real = inline_mod.Program.prepare
+
+    def interrupted(self: inline_mod.Program) -> None:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    try:
+        c.barrier()
+        buf = np.full(3, RANK + 1, np.float32)
+        c.allreduce(buf)
+        np.testing.assert_array_equal(buf, _expected(3, np.float32))
+        [program] = [p for _, p in c._engine._programs.values()
+                     if p.schedule.collective == "allreduce"]
+        assert (program.line is not None) == straight
+        program.drop_scratch()  # what a hand-over to the engine leaves
+        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+        sent = c.statistics()["messages_sent"]
+        with pytest.raises(KeyboardInterrupt):
+            c.allreduce(np.ones(3, np.float32))
+        assert not c._engine._driver.locked()
+        stats = c.statistics()
+        assert stats["broken"] is None and stats["messages_sent"] == sent
+        buf = np.full(3, RANK + 1, np.float32)
+        c.allreduce(buf)
+        np.testing.assert_array_equal(buf, _expected(3, np.float32))
+    finally:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
+        WORLD.Barrier()
+        c.close()
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_a_transport_error_posting_a_message_is_the_transports_error(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
+    """MPI failing a message as it is posted (as a send to a dead peer may)
+    raises the transport's TransportError, with MPI's error code, from both
+    executors: the engine's failure path reads a dead peer into it only from
+    a TransportError. The dataflow run used to let mpi4py's own exception
+    out, which was then reported as an interruption, without the code."""
+    if SIZE == 1:
+        pytest.skip("a one-rank collective posts nothing")
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
+    c = wagma_comm.init(timeout=20)
+    transport = c._transport
+    real = transport.posters
+
+    def failing_posters(channel: str) -> tuple[object, object]:
+        def failing(*args: object) -> object:  # every rank's first post: nobody waits
+            raise MPI.Exception(MPI.ERR_OTHER)
+        return failing, failing
+
+    try:
+        c.barrier()
+        transport.posters = failing_posters  # bound by the program made next
+        with pytest.raises(wagma_comm.TransportError) as info:
+            c.allreduce(np.ones(2, np.float32))
+        assert info.value.code == MPI.ERR_OTHER, info.value
+        assert "MPI error" in str(info.value)
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            c.allreduce(np.ones(2, np.float32))
+    finally:
+        transport.posters = real
+        WORLD.Barrier()
+        c.close(cancel=True)
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_interrupt_half_way_through_setting_up_is_redone_next_call(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
+    """Ctrl-C inside Program.prepare, after the scratch arrays were made but
+    before the run state referring to them was: the next call must set the
+    program up again, not run it half set up. It used to find the scratch
+    there, skip the rest, and fail every later call of that shape (an
+    IndexError: no views of the scratch)."""
+    if SIZE == 1:
+        pytest.skip("a one-rank sum has no op to set up")
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
+    c = wagma_comm.init(timeout=20)
+    real = inline_mod._spec
+
+    def interrupted(*args: object) -> object:
+        inline_mod._spec = real
+        raise KeyboardInterrupt
+
+    try:
+        c.barrier()
+        monkeypatch.setattr(inline_mod, "_spec", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.allreduce(np.ones(3, np.float32))  # a new program: prepared in the run
+        assert c.statistics()["broken"] is None
+        for _ in range(2):
+            buf = np.full(3, RANK + 1, np.float32)
+            c.allreduce(buf)
+            np.testing.assert_array_equal(buf, _expected(3, np.float32))
+    finally:
+        inline_mod._spec = real
+        WORLD.Barrier()
+        c.close()

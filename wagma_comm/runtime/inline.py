@@ -213,6 +213,10 @@ class Program:
     def drop_scratch(self) -> None:
         self.scratch = None
         self._run = None
+        if self.line is not None:
+            # Its requests are the engine's now, or given up: a run that fails
+            # before it posts (in prepare) must not count them as its own.
+            self.line.forget_requests()
 
     def arrays(self, data: np.ndarray) -> dict[str, np.ndarray]:
         """Every buffer the schedule names (for the engine, on a hand-over)."""
@@ -220,12 +224,13 @@ class Program:
 
     def prepare(self) -> None:
         """Make the scratch arrays and everything that refers to them, unless
-        they exist (a run that did not finish here dropped them)."""
+        they exist (a run that did not finish here dropped them). The arrays
+        are published last: a prepare cut short (Ctrl-C) is redone in full
+        by the next call instead of leaving it views of nothing."""
         if self.scratch is not None:
             return
         storage = self.dtype.storage
-        self.scratch = scratch = {name: np.empty(count, storage)
-                                   for name, count in self.schedule.scratch}
+        scratch = {name: np.empty(count, storage) for name, count in self.schedule.scratch}
         count = self.schedule.count
         self._args = [
             (_spec(op.dst, scratch, count),
@@ -235,6 +240,7 @@ class Program:
         self._run = None
         if self.line is not None:
             self.line.bind(scratch)
+        self.scratch = scratch
 
     def start(self, data: np.ndarray) -> ProgramRun:
         """The dataflow run over ``data`` (the caller's buffer,
@@ -295,7 +301,8 @@ class ProgramRun:
                 patience: float) -> str:
         """Advance until every op is done (DONE), ``deadline`` (monotonic)
         passes (EXPIRED), or ``patience`` seconds go by without any completion
-        (LATE). Exceptions propagate with the run's state current."""
+        (LATE). Exceptions propagate with the run's state current; the
+        transport's own (posting included) as its TransportError."""
         program = self.program
         kinds, peers, msgs, actions = program.kinds, program.peers, program.msgs, program.actions
         succ = program.plan[0]
@@ -385,6 +392,8 @@ class ProgramRun:
                     keep = [k for k in range(len(requests)) if k not in finished]
                     requests[:] = [requests[k] for k in keep]
                     owners[:] = [owners[k] for k in keep]
+        except transport.raw_errors as exc:  # a bare poster's: as the straight line's
+            raise transport.error_of(exc) from exc
         finally:
             self.pos, self.completed = pos, completed
 

@@ -179,6 +179,12 @@ class StraightLine:
             error = self._transport.error_of(exc)
             raise self._overlong(error, seq) or error from exc
 
+    def forget_requests(self) -> None:
+        """Clear :attr:`requests` (``run`` clears them too, on entry): after a
+        run ended elsewhere, so that :meth:`state` of a run that raised before
+        posting anything sees nothing posted."""
+        self.requests[:] = self._nones
+
     def _size_error(self, seq: int, op: int, received: int | None) -> MessageSizeError:
         return MessageSizeError(self.program.schedule.collective, seq, self.program.peers[op],
                                 self._recv_bytes(op), received)
