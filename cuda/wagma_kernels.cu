@@ -70,10 +70,14 @@ __device__ __forceinline__ T combine(T a, T b) {
 }
 
 // ------------------------------------------------------------------- vectors
-template <typename T> struct Vec {
+// 16-byte aligned: load16/store16 access e as one uint4, which needs it should
+// the compiler ever place a Vec in local memory instead of registers.
+template <typename T> struct alignas(16) Vec {
   static const int N = 16 / sizeof(T);
   T e[16 / sizeof(T)];
 };
+static_assert(alignof(Vec<__half>) == 16 && alignof(Vec<u8>) == 16 && sizeof(Vec<u8>) == 16,
+              "a Vec must be one aligned 16-byte word");
 
 template <typename T> __device__ __forceinline__ Vec<T> load16(const T* p) {
   Vec<T> v;

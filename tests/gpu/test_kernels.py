@@ -156,3 +156,55 @@ def test_bfloat16_rounds_to_nearest_even():
     stream.synchronize()
     got = _to_host(pa, a).astype(np.float64)
     assert got[0] == 1.0 and got[1] == 1.015625
+
+
+def test_pointer_tables_are_per_stream():
+    """The average's pointer table is copied on the stream of its first use;
+    another stream must get its own (not one whose copy may not have run)."""
+    k = dk.kernels(0)
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    values = (4096, 8192, 12288)
+    ta = k._pointer_array(values, a)
+    assert k._pointer_array(values, a) is ta  # cached per stream
+    tb = k._pointer_array(values, b)
+    assert tb is not ta
+    b.synchronize()
+    assert cp.asnumpy(tb).tolist() == list(values)
+
+
+_RACE = r"""
+import numpy as np, cupy as cp
+from wagma_comm import dtypes
+from wagma_comm.kernels import device as dk
+k = dk.kernels(0)
+a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+n = 1 << 16
+xs = [cp.full(n, float(i + 1), dtype=cp.float32) for i in range(3)]
+out_a, out_b = cp.zeros(n, cp.float32), cp.zeros(n, cp.float32)
+cp.cuda.Device().synchronize()
+spin = cp.RawKernel('extern "C" __global__ void spin(long long c) '
+                    '{ long long s = clock64(); while (clock64() - s < c) {} }', 'spin')
+spin((1,), (1,), (np.int64(4_000_000_000),), stream=a)  # a is busy for seconds
+ptrs = [int(x.data.ptr) for x in xs]
+k.average(int(out_a.data.ptr), ptrs, n, 3.0, dtypes.FLOAT32, a)  # table copy queued on a
+k.average(int(out_b.data.ptr), ptrs, n, 3.0, dtypes.FLOAT32, b)  # same pointers, stream b
+b.synchronize()
+assert not a.done, "the spin ended too early to test anything"
+assert bool((out_b == 2.0).all()), cp.asnumpy(out_b)[:8]
+a.synchronize()
+assert bool((out_a == 2.0).all())
+print("ok")
+"""
+
+
+def test_a_cached_pointer_table_is_not_read_before_its_copy():
+    """Stream a is busy, so the table's copy queued on it has not run; the
+    same average on stream b must not read that table (it used to: wrong
+    pointers, an illegal address). In a subprocess: that error would leave
+    this process's CUDA context unusable."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RACE], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout + done.stderr

@@ -88,3 +88,49 @@ def test_a_death_behind_an_nccl_error_is_looked_for_within_the_grace() -> None:
                                                         "gone" + note)
     blamed, why = timeout_blame(None, (0, 1, 3), 1, range(4))
     assert blamed == [0, 3] and "NCCL does not say which members arrived" in why
+
+
+def _gpu_works(deadlines: Sequence[float]) -> list:
+    """Real GpuWork records (real schedules and handles, no GPU needed) of
+    allreduce rounds 4, 5, ... with the given deadlines."""
+    from wagma_comm import dtypes
+    from wagma_comm.runtime.gpu import GpuWork, plan
+    from wagma_comm.runtime.handle import Handle
+
+    scheds, waves = plan("allreduce", (0, 1), 8, "sum", "native", -1)
+    return [GpuWork(4 + i, "allreduce", Handle("allreduce", 4 + i, d, lambda: True),
+                    scheds[0], waves[0], 0, dtypes.FLOAT32, None, d, 1.0, None, None)
+            for i, d in enumerate(deadlines)]
+
+
+def test_a_gpu_failure_goes_to_the_collective_it_is_about() -> None:
+    """The GPU path breaking at round 5 (say its group communicator's set-up
+    timed out) while round 4 is in flight: round 5 gets the error naming it,
+    round 4 and the queued round 6 a CommunicatorClosedError (round 4 used to
+    get round 5's timeout, and round 5 "not run ... at an earlier collective")."""
+    from wagma_comm.errors import CollectiveTimeoutError, CommunicatorClosedError
+    from wagma_comm.runtime.gpu import failure_errors
+
+    works = _gpu_works([time.monotonic() + 60] * 3)
+    error = CollectiveTimeoutError("allreduce", 5, [1], "GPU collective NCCL ... deadline")
+    got = failure_errors(works, error, works[1])
+    assert got[1] is error
+    for k in (0, 2):
+        assert isinstance(got[k], CommunicatorClosedError), got[k]
+        assert f"(round {4 + k})" in str(got[k]) and "(round 5)" in str(got[k])
+        assert "earlier" not in str(got[k])
+    # Not about one collective (the engine closed): the first in flight leads.
+    assert failure_errors(works, error, None)[0] is error
+
+
+def test_a_shorter_deadline_behind_a_slower_gpu_collective_is_enforced() -> None:
+    """Each call has its own timeout: round 5 (deadline passed) queued on the
+    stream behind round 4 (deadline far ahead) must fail now, not when round
+    4's deadline passes (only the oldest's deadline used to be checked)."""
+    from wagma_comm.runtime.gpu import overdue
+
+    now = time.monotonic()
+    works = _gpu_works([now + 100, now - 1, now - 0.5])
+    assert overdue(works, now) is works[1]
+    assert overdue(works[:1], now) is None
+    assert overdue([], now) is None

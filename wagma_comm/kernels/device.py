@@ -73,7 +73,7 @@ class DeviceKernels:
                 name_expressions=_all_names())
             self._sms = cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
         self._functions: dict[str, Any] = {}
-        self._pointer_arrays: dict[tuple[int, ...], Any] = {}
+        self._pointer_arrays: dict[tuple[int, tuple[int, ...]], Any] = {}
         self._lock = threading.Lock()
 
     def _fn(self, name: str) -> Any:
@@ -148,16 +148,21 @@ class DeviceKernels:
                                   stream=stream)
 
     def _pointer_array(self, values: tuple[int, ...], stream: Any) -> Any:
-        """A device copy of ``values`` (uint64), cached: a trainer passes the
-        same buffers every iteration, so the copy happens once."""
+        """A device copy of ``values`` (uint64) for kernels on ``stream``,
+        cached: a trainer passes the same buffers every iteration, so the copy
+        happens once. One table per stream: its copy is queued on ``stream``
+        and its memory is in that stream's pool, so a kernel on another stream
+        could read it before the copy ran, or after an eviction let the pool
+        hand it out again."""
+        key = (int(stream.ptr), values)
         with self._lock:
-            table = self._pointer_arrays.get(values)
+            table = self._pointer_arrays.get(key)
             if table is None:
                 if len(self._pointer_arrays) >= _MAX_POINTER_CACHE:
                     self._pointer_arrays.clear()
                 with self._cp.cuda.Device(self.device_id), stream:
                     table = self._cp.asarray(np.array(values, dtype=np.uint64))
-                self._pointer_arrays[values] = table
+                self._pointer_arrays[key] = table
             return table
 
 

@@ -80,6 +80,9 @@ class GpuQueue:
         self._dead_peers = dead_peers
         self._world = tuple(world)
         self._watched: GpuWork | None = None  # the collective being issued
+        # The collective a failure of this turn is about (its handle gets the
+        # error; the others are failed as casualties): _break.
+        self._culprit: GpuWork | None = None
         self._lock = threading.Lock()
         self._queue: deque[GpuWork] = deque()
         self._in_flight: deque[GpuWork] = deque()
@@ -108,16 +111,18 @@ class GpuQueue:
         if not self._engine.on_progress_thread() or self.broken is not None:
             return False
         progressed = False
+        self._culprit = None
         try:
             progressed |= self._issue()
             progressed |= self._complete()
             self._check_health()
         except WagmaError as exc:
-            self._break(exc)
+            self._break(exc, self._culprit)
             return True
         except Exception as exc:  # noqa: BLE001 -- CUDA/NVRTC/NCCL binding errors
             # must fail the GPU collectives, not kill the progress thread
-            self._break(TransportError(f"GPU path failed: {type(exc).__name__}: {exc}"))
+            self._break(TransportError(f"GPU path failed: {type(exc).__name__}: {exc}"),
+                        self._culprit)
             return True
         return progressed
 
@@ -130,6 +135,9 @@ class GpuQueue:
                 work = self._queue.popleft()
                 # In flight from here on, so whatever fails below fails it too.
                 self._in_flight.append(work)
+            # A failure from here to its issue is this collective's, not the
+            # oldest in flight's (which may be an earlier, healthy one).
+            self._culprit = work
             _log.debug("issue %s round %d", work.collective, work.seq)
             if self.transport is None:
                 self.transport = self._setup(work)
@@ -147,6 +155,7 @@ class GpuQueue:
                 raise self._timeout_error(work, str(exc)) from exc
             except TransportError as exc:
                 raise self._attribute(work, exc) from exc
+            self._culprit = None
             issued = True
 
     def _setup(self, work: GpuWork) -> Any:
@@ -175,9 +184,11 @@ class GpuQueue:
         if not self._in_flight:
             return
         now = time.monotonic()
-        oldest = self._in_flight[0]
-        if now > oldest.deadline:
-            raise self._timeout_error(oldest, f"did not complete within {oldest.timeout:g}s")
+        late = overdue(self._in_flight, now)
+        if late is not None:
+            self._culprit = late
+            raise self._timeout_error(late, f"did not complete within {late.timeout:g}s")
+        oldest = self._culprit = self._in_flight[0]
         if now >= self._next_check:
             self._next_check = now + _ERROR_CHECK_S
             problem = self.transport.async_error()
@@ -228,28 +239,22 @@ class GpuQueue:
             f"GPU collective {what}; NCCL communicators aborted, the GPU path of this "
             f"communicator is unusable now ({why})")
 
-    def _break(self, error: WagmaError) -> None:
-        """Abort NCCL (so no kernel stays blocked) and fail everything."""
+    def _break(self, error: WagmaError, culprit: GpuWork | None = None) -> None:
+        """Abort NCCL (so no kernel stays blocked) and fail everything;
+        ``culprit``: the collective ``error`` is about."""
         self.broken = error
         if self.transport is not None:
             self.transport.abort(str(error))
-        self.fail(error)
+        self.fail(error, culprit)
 
-    def fail(self, error: WagmaError) -> None:
-        """Fail every queued and in-flight GPU collective (engine broke/closed)."""
+    def fail(self, error: WagmaError, culprit: GpuWork | None = None) -> None:
+        """Fail every queued and in-flight GPU collective (engine broke/closed,
+        or the GPU path broke at ``culprit``)."""
         with self._lock:
             works = list(self._in_flight) + list(self._queue)
             self._in_flight.clear()
             self._queue.clear()
-        first = True
-        for work in works:
-            if first or not isinstance(error, (CollectiveTimeoutError, RankFailedError)):
-                err: BaseException = error
-            else:
-                err = CommunicatorClosedError(
-                    f"{work.collective} (round {work.seq}): not run, the GPU path broke "
-                    f"at an earlier collective: {error}")
-            first = False
+        for work, err in zip(works, failure_errors(works, error, culprit)):
             self.stats["gpu_failed"] += 1
             work.handle._complete(error=err)
 
@@ -257,6 +262,34 @@ class GpuQueue:
         """Called after the engine drained: release the NCCL communicators."""
         if self.transport is not None and self.broken is None:
             self.transport.close(deadline)
+
+
+def overdue(works: Sequence[GpuWork], now: float) -> GpuWork | None:
+    """The collective in ``works`` whose deadline passed first (None if
+    none has): each call has its own timeout, so one queued on the stream
+    behind a slower collective must still fail at its own deadline, not at
+    the older one's."""
+    late = [w for w in works if now > w.deadline]
+    return min(late, key=lambda w: w.deadline) if late else None
+
+
+def failure_errors(works: Sequence[GpuWork], error: WagmaError,
+                   culprit: GpuWork | None) -> list[BaseException]:
+    """What each of ``works`` (in flight, then queued) fails with when the
+    GPU path breaks: ``error`` for the collective it is about (``culprit``,
+    else the first), and for a timeout or a dead rank a
+    CommunicatorClosedError for the others, whose NCCL work was aborted with
+    it (they may be older than the culprit as well as newer)."""
+    lead = culprit if any(w is culprit for w in works) else (works[0] if works else None)
+    out: list[BaseException] = []
+    for work in works:
+        if work is lead or not isinstance(error, (CollectiveTimeoutError, RankFailedError)):
+            out.append(error)
+        else:
+            out.append(CommunicatorClosedError(
+                f"{work.collective} (round {work.seq}): not completed, the GPU path broke "
+                f"at another collective and its NCCL work was aborted: {error}"))
+    return out
 
 
 def timeout_blame(dead_peers: Callable[[Sequence[int]], list[int]] | None,

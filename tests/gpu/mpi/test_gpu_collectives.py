@@ -156,3 +156,38 @@ def test_bad_gpu_input_is_refused_locally(comm):
         comm.allreduce(t, "median")
     comm.allreduce(t)  # still exact afterwards
     assert torch.all(t == 0).item()
+
+
+def test_a_shorter_deadline_behind_a_slower_collective_fails_at_its_own(comm):
+    """Rank 0 issues a collective with a long deadline that the others never
+    join, then one with a 2 s timeout: the second must fail at its own
+    deadline, naming its round and the members (only the oldest's deadline
+    used to be checked, so it failed 5 s late from the handle's backstop,
+    naming nobody), and the first, aborted with it, with
+    CommunicatorClosedError. On a communicator of its own: this one breaks."""
+    import time
+
+    import wagma_comm
+    from wagma_comm.errors import CollectiveTimeoutError, CommunicatorClosedError
+
+    if comm.size < 2:
+        pytest.skip("needs a peer that does not join")
+    mine = wagma_comm.init(timeout=60)  # its own MPI and NCCL communicators
+    try:
+        warm = torch.ones(1000, device="cuda")
+        mine.allreduce(warm)  # NCCL up on every rank
+        if mine.rank == 0:
+            slow, quick = torch.ones(1000, device="cuda"), torch.ones(1000, device="cuda")
+            h_slow = mine.allreduce(slow, async_op=True)
+            started = time.monotonic()
+            h_quick = mine.allreduce(quick, async_op=True, timeout=2.0)
+            with pytest.raises(CollectiveTimeoutError) as info:
+                h_quick.wait()
+            assert time.monotonic() - started < 4.5
+            assert info.value.round == h_quick.round
+            assert set(info.value.ranks) == set(range(1, mine.size))
+            with pytest.raises(CommunicatorClosedError, match=f"round {h_slow.round}"):
+                h_slow.wait()
+    finally:
+        comm.barrier()
+        mine.close(cancel=True)
