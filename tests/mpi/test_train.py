@@ -737,3 +737,146 @@ def test_a_rank_that_never_creates_the_exchange_is_named() -> None:
     assert slow in everyone  # the absent rank is named by whoever waited for it
     c.close(cancel=True)
 
+
+
+# -- an Averager iteration left in flight ---------------------------------------------
+
+
+@pytest.mark.parametrize("method,knobs", [
+    ("local_sgd", {"sync_every": 1}), ("dpsgd", {}), ("solo", {"sync_every": 3}),
+    ("wagma", {"sync_every": 3, "round_start": "iteration"})],
+    ids=["local_sgd", "dpsgd", "solo", "wagma"])
+def test_averager_finalize_or_close_mid_iteration_drains_it(comm: Communicator, method: str,
+                                                             knobs: dict[str, Any]) -> None:
+    """start() then finalize() (an evaluation mid-training) or close(): the
+    started round is finished on every rank and counts, as with
+    DistributedOptimizer. It was left in flight: its buffers repacked under
+    it, the next start() refused, and D-PSGD's pending exchange crashed the
+    process at exit."""
+    x = [np.full(5, float(RANK), np.float32)]
+    g = [np.full(5, float(RANK), np.float32)]
+    avg = Averager(comm, x, method, broadcast=False, **knobs)
+    avg.start(x, g)
+    x[0][:] = 10.0 * (RANK + 1)  # the model finalize() averages
+    avg.finalize(x, g)
+    assert avg.iteration == 1 and not avg.method.in_flight
+    if avg.averages == "model":
+        np.testing.assert_allclose(x[0], 5.0 * (SIZE + 1), rtol=1e-6)
+    synced = []
+    for _ in range(4):  # training goes on; sync rounds stay on their iterations
+        info = avg.average(x, g).info
+        assert info is not None
+        synced.append((info.iteration, info.synchronized))
+    if method in ("solo", "wagma"):
+        assert [t for t, s in synced if s] == [2] and info.rounds[0].round == 4
+    avg.start(x, g)
+    avg.close()  # drains too
+    assert avg.iteration == 6 and not avg.method.in_flight
+
+
+# -- the gossip baselines' exchange: what its errors name ----------------------------------
+
+
+def test_a_gossip_timeout_names_the_training_iteration_and_the_late_neighbour() -> None:
+    """Resumed at iteration 5, D-PSGD's exchange counted its own rounds from
+    0: a timeout at iteration 6 said "round 1". It names the iteration, as
+    the partial collectives' rounds do, and the neighbour that did not come."""
+    if SIZE == 1:
+        pytest.skip("a missing neighbour needs two ranks")
+    import wagma_comm
+    from wagma_comm.errors import CollectiveTimeoutError, CommunicatorClosedError
+    from wagma_comm.train.methods import ring_neighbours
+
+    c = wagma_comm.init(timeout=1.0)
+    x = [np.ones(4, np.float32)]
+    avg = Averager(c, x, "dpsgd", first_iteration=5)
+    avg.average(x)  # iteration 5, everyone
+    if RANK in ring_neighbours(LAST, SIZE):
+        with pytest.raises(CollectiveTimeoutError) as info:
+            avg.average(x)  # iteration 6: LAST does not come
+        assert info.value.collective == "dpsgd exchange"
+        assert info.value.round == 6 and info.value.ranks == (LAST,)
+        for _ in range(2):  # the broken exchange stays the answer, not "in flight"
+            with pytest.raises(CommunicatorClosedError, match="round 6 timed out"):
+                avg.average(x)
+    elif RANK != LAST:
+        avg.average(x)  # not LAST's neighbour: its own round completes
+    avg.close()
+    WORLD.Barrier()
+    c.close(cancel=True)
+
+
+def test_an_mpi_error_in_the_exchange_is_typed_and_names_the_peer() -> None:
+    """A failed message (here: longer than its receive; in the wild, a peer
+    that gave up on the round and left) surfaced as a bare mpi4py exception
+    naming neither the exchange, nor the round, nor the peer."""
+    if SIZE == 1:
+        pytest.skip("an exchange needs two ranks")
+    from wagma_comm.errors import CollectiveError
+    from wagma_comm.train.neighbors import NeighborExchange
+
+    ex = NeighborExchange(WORLD, 10.0, "sgp exchange")
+    if RANK == 0:
+        ex.start([(np.zeros(4, np.float32), [1])], [], label=7)
+        ex.wait()
+    elif RANK == 1:
+        ex.start([], [([np.empty(2, np.float32)], [0])], label=7)
+        with pytest.raises(CollectiveError) as info:
+            ex.wait()
+        assert info.value.collective == "sgp exchange"
+        assert info.value.round == 7 and info.value.ranks == (0,)
+    ex.close()
+
+
+def test_closing_the_exchange_mid_round_gives_its_receive_buffers_back() -> None:
+    """A round posted and never waited for (a method closed mid-iteration)
+    left its receives active on the freed communicator: MPI still owned
+    buffers the method reuses or frees. close() cancels them."""
+    if SIZE == 1:
+        pytest.skip("an exchange needs two ranks")
+    from wagma_comm.train.neighbors import NeighborExchange
+
+    ex = NeighborExchange(WORLD, 10.0, "dpsgd exchange")
+    if RANK == 0:  # rank 1 never takes part in this round
+        ex.start([], [([np.empty(1 << 12, np.float32)], [1])])
+        receive = ex._requests[0]
+        assert receive != MPI.REQUEST_NULL
+    ex.close()
+    if RANK == 0:
+        assert receive == MPI.REQUEST_NULL  # cancelled and freed: the buffer is ours
+    WORLD.Barrier()
+
+
+def test_checkpoint_paths_with_other_braces_keep_them(comm: Communicator,
+                                                       rank_dir: str) -> None:
+    """``{rank}`` was filled in with str.format, so any other brace in the
+    path (a directory named ``run{3}``, a ``{step}`` left for later) was a
+    bare KeyError or IndexError that named nothing."""
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    for odd in ("run{3}", "run{step}", "run{}"):
+        os.makedirs(os.path.join(rank_dir, odd))
+        path = os.path.join(rank_dir, odd, "ckpt-{rank}.pt")
+        file = save_checkpoint(path, model, opt, extra={"dir": odd})
+        assert file == os.path.join(rank_dir, odd, f"ckpt-{RANK}.pt") and os.path.exists(file)
+        assert load_checkpoint(path, model, opt) == {"dir": odd}
+    opt.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_averager_used_after_close_says_so(comm: Communicator, method: str) -> None:
+    """Its collectives are released: the partial methods failed with a bare
+    IndexError, D-PSGD and SGP with an AssertionError (leaving the iteration
+    half started), and the blocking ones ran a collective as if open."""
+    from wagma_comm.errors import CommunicatorClosedError
+
+    x = [np.ones(3, np.float32)]
+    avg = Averager(comm, x, method, sync_every=2)
+    avg.average(x, [np.ones(3, np.float32)])
+    avg.close()
+    for call in (lambda: avg.average(x, [x[0].copy()]), lambda: avg.finalize(x, [x[0].copy()])):
+        with pytest.raises(CommunicatorClosedError, match=f"Averager \\({method}"):
+            call()
+    assert not avg.method.in_flight
+    avg.close()  # idempotent
+    comm.barrier()  # nothing was started on any rank

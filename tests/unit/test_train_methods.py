@@ -106,3 +106,15 @@ def test_sgp_peers_pair_up_every_iteration(size: int) -> None:
 def test_default_group_size() -> None:
     assert [default_group_size(p) for p in (1, 2, 3, 4, 8, 9, 16, 64, 100)] == \
         [1, 2, 2, 2, 4, 4, 4, 8, 16]
+
+
+def test_a_gossip_mpi_comm_that_is_no_communicator_is_refused_when_made() -> None:
+    """It was refused only at set-up, after the set-up's collectives (and on
+    the ranks that passed it only: the others then waited for them)."""
+    for name in ("dpsgd", "sgp"):
+        with pytest.raises(InvalidArgumentError, match="mpi_comm: expected an mpi4py") as info:
+            make_method(name, mpi_comm="world")
+        assert info.value.argument == "mpi_comm"
+    from mpi4py import MPI
+
+    assert make_method("dpsgd", mpi_comm=MPI.COMM_WORLD).averages == MODEL

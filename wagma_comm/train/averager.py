@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import BufferError, InvalidArgumentError
+from ..errors import BufferError, CommunicatorClosedError, InvalidArgumentError
 from .bucket import DeviceBucket, FlatBucket, common_device
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .methods.base import check_int
@@ -100,6 +100,7 @@ class Averager:
                 pass  # immutable params: the caller takes model() instead
         self._work = self._model if self.method.averages == MODEL else self._grads
         self.stats = WaitStats()
+        self._closed = False
         self.method.setup(comm, self._work.buffers(), self.iteration)
 
     @property
@@ -134,6 +135,7 @@ class Averager:
     def start(self, params: Sequence[Any], grads: Sequence[Any] | None = None) -> None:
         """Begin this iteration's averaging (packs what the method averages);
         the inputs are read now and may change before :meth:`finish`."""
+        self._check_open()
         t = self.iteration
         target = self._target(params, grads)  # checked every iteration, alike
         if self.method.communicates(t):
@@ -190,6 +192,8 @@ class Averager:
         """Collective, after the last iteration. Model methods: every replica
         becomes the global mean (bitwise identical). Gradient methods: what
         missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
+        self._check_open()
+        self._drain()
         if self.method.averages == MODEL:
             self._work.pack(self._whole_model(params))
             self.method.finalize(self._work.buffers())
@@ -200,9 +204,35 @@ class Averager:
         leftover = self.method.finalize(self._work.buffers())
         return self._deliver(None, leftover, params, grads, copy, apply=leftover)
 
+    def _drain(self) -> None:
+        """Finish an iteration that was started and will not be finished
+        (``start`` then ``finalize`` or ``close``), discarding its result, as
+        DistributedOptimizer does: every rank started it, so every rank drains
+        it, and its round is used up, so it counts (the method's sync rounds
+        stay on their iterations). Left in flight, its round was never waited
+        for, the buffers were repacked under it, and the next ``start`` was
+        refused."""
+        if self.method.in_flight:
+            self.method.finish()
+            self.iteration += 1
+
+    def _check_open(self) -> None:
+        """Refuse work after :meth:`close`, locally: the method's collectives
+        are gone (a bare IndexError or AssertionError from inside the method
+        before), or a blocking method would start a collective alone."""
+        if self._closed:
+            raise CommunicatorClosedError(f"Averager ({self.method.describe()}) is closed")
+
     def close(self) -> None:
-        """Collective: release the method's collectives (idempotent)."""
-        self.method.close()
+        """Collective: finish an iteration left in flight, then release the
+        method's collectives (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._drain()
+        finally:
+            self.method.close()
 
     def __enter__(self) -> "Averager":
         return self

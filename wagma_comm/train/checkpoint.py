@@ -27,8 +27,8 @@ def checkpoint_path(path: str, optimizer: DistributedOptimizer) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidArgumentError("path", f"expected a path, got {type(path).__name__}")
     path = os.fspath(path)
-    if "{rank}" in path:
-        return path.format(rank=optimizer.comm.rank)
+    if "{rank}" in path:  # replaced, not format()ted: other braces stay as they are
+        return path.replace("{rank}", str(optimizer.comm.rank))
     if optimizer.method.averages != GRADIENTS:
         raise InvalidArgumentError(
             "path", f"{optimizer.method.name} keeps a different model on every rank; put "

@@ -16,7 +16,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, CommunicatorClosedError, InvalidArgumentError
+from ..errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+)
 
 __all__ = ["NeighborExchange", "resolve_mpi_comm"]
 
@@ -68,15 +73,22 @@ class NeighborExchange:
         self._comm = dup_with_deadline(mpi_comm, timeout, f"{name} set-up")
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         self._round = 0
+        self._label = 0  # the round as errors name it (the training iteration)
         self._requests: list[Any] = []
-        self._peers: list[int] = []  # the source of each receive request, in order
+        # The peer of each request, in order: receives' sources, then sends'
+        # destinations (the first _receives requests are receives).
+        self._peers: list[int] = []
+        self._receives = 0
         self._broken: str | None = None
 
     def start(self, sends: Sequence[tuple[np.ndarray, Sequence[int]]],
-              recvs: Sequence[tuple[Sequence[np.ndarray], Sequence[int]]]) -> None:
+              recvs: Sequence[tuple[Sequence[np.ndarray], Sequence[int]]],
+              label: int | None = None) -> None:
         """Post this round: ``sends[k] = (buffer, destinations)`` and
         ``recvs[k] = (buffers, sources)`` for buffer ``k``. The send buffers and
-        receive buffers must stay untouched until :meth:`wait` returns."""
+        receive buffers must stay untouched until :meth:`wait` returns.
+        ``label``: the round as errors name it (the training iteration, which
+        the exchange's own count restarts from 0 on resume); default that count."""
         from mpi4py import MPI
 
         if self._broken is not None:
@@ -87,39 +99,60 @@ class NeighborExchange:
         if len(sends) > _MAX_BUFFERS:
             raise InvalidArgumentError("sends", f"at most {_MAX_BUFFERS} buffers per round")
         base = (self._round % _TAG_ROUNDS) * _MAX_BUFFERS
+        self._label = self._round if label is None else label
         for k, (bufs, sources) in enumerate(recvs):
             for buf, src in zip(bufs, sources):
                 self._requests.append(self._comm.Irecv([buf.view(np.uint8), MPI.BYTE],
                                                        src, base + k))
                 self._peers.append(src)
+        self._receives = len(self._requests)
         for k, (buf, dests) in enumerate(sends):
             for dst in dests:
                 self._requests.append(self._comm.Isend([buf.view(np.uint8), MPI.BYTE],
                                                        dst, base + k))
+                self._peers.append(dst)
 
     def wait(self) -> float:
         """Block until this round's messages are done; returns the seconds waited.
         Past the deadline: cancel the receives, raise CollectiveTimeoutError
-        naming the peers not heard from; the exchange is broken afterwards."""
+        naming the peers not heard from (or whose receive never came: a send
+        still pending); an MPI error (a peer that gave up or went away) raises
+        CollectiveError naming the peers whose messages failed. The exchange
+        is broken afterwards."""
         from mpi4py import MPI
 
         start = time.monotonic()
         deadline = start + self.timeout
         nap = 0.0
-        while not MPI.Request.Testall(self._requests):
+        statuses = [MPI.Status() for _ in self._requests]
+        while True:
+            try:
+                if MPI.Request.Testall(self._requests, statuses):
+                    break
+            except MPI.Exception as exc:
+                ok = (MPI.SUCCESS, MPI.ERR_PENDING)
+                failed = [peer for peer, st in zip(self._peers, statuses)
+                          if MPI.Get_error_class(st.Get_error()) not in ok] or self._peers
+                label = self._abandon(f"round {self._label} failed")
+                raise CollectiveError(
+                    self.name, label, failed,
+                    f"MPI error in the neighbour exchange ({exc.Get_error_string()}); a "
+                    "peer gave up on this round or left") from exc
             now = time.monotonic()
             if now > deadline:
-                # Receives come first in the list; zip pairs each with its source.
-                late = [(src, req) for src, req in zip(self._peers, self._requests)
-                        if not req.Test()]
-                for _, req in late:
-                    req.Cancel()
-                    req.Free()
-                missing = sorted({src for src, _ in late})
-                self._broken = f"round {self._round} timed out"
-                self._requests, self._peers = [], []
+                late = []
+                for peer, req in zip(self._peers, self._requests):
+                    try:
+                        done = req.Test()
+                    except MPI.Exception:
+                        done = False
+                    if not done:
+                        late.append(peer)
+                if not late:  # it completed meanwhile
+                    break
+                label = self._abandon(f"round {self._label} timed out")
                 raise CollectiveTimeoutError(
-                    self.name, self._round, missing,
+                    self.name, label, sorted(set(late)),
                     f"neighbour exchange not complete within {self.timeout:g} s")
             # Short naps: ranks outnumber cores in the tests and the demo.
             nap = min(1e-3, nap * 2 or 2e-5) if now - start > 1e-4 else 0.0
@@ -128,8 +161,29 @@ class NeighborExchange:
         self._round += 1
         return time.monotonic() - start
 
+    def _abandon(self, why: str) -> int:
+        """Give up this round: cancel and free the receives not complete (MPI
+        would otherwise write into buffers the caller reuses, or crash at
+        exit), leave the sends (cancelling them is deprecated), mark the
+        exchange broken. Returns the round's label."""
+        from mpi4py import MPI
+
+        for req in self._requests[:self._receives]:
+            try:
+                if not req.Test():
+                    req.Cancel()
+                    req.Free()
+            except MPI.Exception:
+                pass  # failed: MPI released it already
+        self._broken = why
+        self._requests, self._peers, self._receives = [], [], 0
+        return self._label
+
     def close(self) -> None:
-        """Collective: free the duplicated communicator."""
+        """Collective: free the duplicated communicator (a round posted and
+        never waited for is abandoned first)."""
+        if self._requests:
+            self._abandon("closed")
         if self._comm is not None:
             try:
                 self._comm.Free()

@@ -122,7 +122,11 @@ class Method(ABC):
                                        "started and not finished")
         self._t = t
         if self.communicates(t):
-            self._start(t, list(buffers))
+            try:
+                self._start(t, list(buffers))
+            except BaseException:
+                self._t = None  # not started: the error stays the answer, not "in flight"
+                raise
 
     def finish(self) -> AveragingInfo:
         """Block until the buffers hold this iteration's result."""

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ... import dtypes
+from ...errors import InvalidArgumentError
 from ...kernels import host as host_kernels
 from ..neighbors import NeighborExchange, resolve_mpi_comm
 from .base import MODEL, AveragingInfo, Method
@@ -41,6 +42,12 @@ class _Gossip(Method):
 
     def __init__(self, mpi_comm: Any = None) -> None:
         super().__init__()
+        if mpi_comm is not None:  # its kind is checked here, before any communication
+            from mpi4py import MPI
+
+            if not isinstance(mpi_comm, MPI.Comm):
+                raise InvalidArgumentError("mpi_comm", f"expected an mpi4py communicator, "
+                                           f"got {type(mpi_comm).__name__}")
         self._mpi_comm = mpi_comm
         self._exchange: NeighborExchange | None = None
         self._received: list[list[np.ndarray]] = []
@@ -52,14 +59,15 @@ class _Gossip(Method):
         self._exchange = NeighborExchange(mc, comm.timeout, f"{self.name} exchange",
                                           arrive=lambda t: comm.barrier(timeout=t))
 
-    def _post(self, buffers: list[np.ndarray], dests: list[int], sources: list[int]) -> None:
+    def _post(self, t: int, buffers: list[np.ndarray], dests: list[int],
+              sources: list[int]) -> None:
         assert self._exchange is not None
         if len(self._received) != len(buffers) or any(
                 len(r) != len(sources) for r in self._received):
             self._received = [[np.empty_like(b) for _ in sources] for b in buffers]
         self._buffers, self._sources = buffers, sources
         self._exchange.start([(b, dests) for b in buffers],
-                             [(r, sources) for r in self._received])
+                             [(r, sources) for r in self._received], label=t)
 
     def _combine(self) -> None:
         """Average each buffer with what came in, in rank order (the same
@@ -97,7 +105,7 @@ class DPSGD(_Gossip):
     def _start(self, t: int, buffers: list[np.ndarray]) -> None:
         peers = ring_neighbours(self.comm.rank, self.comm.size)
         if peers:
-            self._post(buffers, peers, peers)
+            self._post(t, buffers, peers, peers)
         else:
             self._sources = []
 
@@ -116,4 +124,4 @@ class SGP(_Gossip):
         if peers is None:
             self._sources = []
         else:
-            self._post(buffers, [peers[0]], [peers[1]])
+            self._post(t, buffers, [peers[0]], [peers[1]])
