@@ -63,7 +63,8 @@ class CollectiveError(WagmaError, RuntimeError):
     """A collective failed while communicating. Carries what failed and where.
 
     Attributes: ``collective`` (name), ``round`` (the collective's sequence number
-    on this communicator), ``ranks`` (the ranks blamed: missing or mismatching).
+    on this communicator; -1, and left out of the message, for a call that is
+    none, such as init()), ``ranks`` (the ranks blamed: missing or mismatching).
     """
 
     def __init__(
@@ -76,9 +77,10 @@ class CollectiveError(WagmaError, RuntimeError):
         self.collective = collective
         self.round = round
         self.ranks: tuple[int, ...] = tuple(sorted(set(ranks)))
+        # A negative round: no collective of the communicator (init(), set-up).
+        where = collective if round < 0 else f"{collective} (round {round})"
         super().__init__(
-            f"{collective} (round {round}): {message}"
-            + (f"; ranks: {list(self.ranks)}" if self.ranks else "")
+            f"{where}: {message}" + (f"; ranks: {list(self.ranks)}" if self.ranks else "")
         )
 
 

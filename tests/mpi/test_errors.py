@@ -846,3 +846,28 @@ def test_exchange_bytes_shares_rank_0s_bytes_and_times_out_keeping_its_buffer() 
         else:
             request.Wait()
             assert bytes(buf) == bytes(range(16))
+
+
+def test_a_timeout_outside_any_round_names_no_round() -> None:
+    """init(), channel set-up and the NCCL id exchange are no collective of
+    a communicator (round -1): their timeouts name the call alone, where
+    they used to say "(round -1)"."""
+    from wagma_comm.transport.mpi import ABANDONED, wait_with_deadline
+
+    comm = WORLD.Dup()
+    request = comm.Irecv(bytearray(1), source=RANK, tag=7)  # nothing is ever sent
+    try:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            wait_with_deadline(request, comm, time.monotonic() + 0.05, "init()", [RANK],
+                               detail="duplicating the MPI communicator did not complete")
+        assert ABANDONED.pop()[1] is request
+        err = info.value
+        assert err.collective == "init()" and err.round == -1 and err.ranks == (RANK,)
+        assert str(err) == ("init(): duplicating the MPI communicator did not complete; "
+                            f"ranks: [{RANK}]")
+    finally:
+        request.Cancel()
+        request.Wait()
+        comm.Free()
+    named = wagma_comm.CollectiveTimeoutError("allreduce", 0, [1], "timed out")
+    assert str(named) == "allreduce (round 0): timed out; ranks: [1]"

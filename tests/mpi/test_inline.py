@@ -509,3 +509,69 @@ def test_interrupt_half_way_through_setting_up_is_redone_next_call(
         inline_mod._spec = real
         WORLD.Barrier()
         c.close()
+
+
+def test_a_handed_over_run_that_fails_keeps_its_scratch_for_mpi() -> None:
+    """A late peer hands the inline run, with its program's scratch, to the
+    engine; when it then fails (here: its deadline) with a receive into that
+    scratch outstanding, the scratch must be kept alive with the other
+    buffers MPI may still write (Engine.abandoned). It used to be dropped
+    with the run: only the user's buffer and pooled scratch were kept."""
+    if SIZE == 1:
+        pytest.skip("a late peer needs two ranks")
+    c = wagma_comm.init(timeout=30)
+    try:
+        buf = np.ones(5, np.float32)
+        engine = c._engine
+        for _ in range(20):  # until no rank handed its run over (which drops the scratch)
+            c.allreduce(buf)  # makes the program and its scratch
+            program = next(p for s, p in engine._programs.values()
+                           if s.collective == "allreduce" and s.count == 5)
+            if not WORLD.allreduce(program.scratch is None, op=MPI.LOR):
+                break
+        scratch = list(program.scratch.values())
+        assert scratch
+        if RANK != SIZE - 1:  # the last rank stays away
+            before = c.statistics()["inline_handed_over"]
+            with pytest.raises(wagma_comm.CollectiveTimeoutError):
+                c.allreduce(buf, timeout=0.5)  # hands over after 20 ms, fails at 0.5 s
+            assert c.statistics()["inline_handed_over"] == before + 1
+            kept = engine.abandoned()
+            assert all(any(arr is k for k in kept) for arr in scratch)
+    finally:
+        WORLD.Barrier()
+        c.close(cancel=True)
+
+
+def test_an_inline_timeout_does_not_name_a_rank_whose_message_came() -> None:
+    """A deadline shorter than the hand-over patience expires inline at a
+    straight line's wait, whose test of all its requests completes none
+    until all did: rank 2 of a 3-rank scatter_allgather broadcast waits for
+    rank 0 (root) and rank 1 together. Rank 0's message is there, rank 1
+    never comes: the timeout must name rank 1 only (it named both)."""
+    if SIZE < 3:
+        pytest.skip("needs three ranks: one that sent and one that never comes")
+    sub = WORLD.Split(0 if RANK < 3 else MPI.UNDEFINED)
+    if sub == MPI.COMM_NULL:
+        return
+    c = wagma_comm.init(timeout=30, mpi_comm=sub)
+    try:
+        buf = np.arange(7, dtype=np.float32)
+        if RANK == 0:  # the root only sends (eagerly): done without rank 1
+            c.broadcast(buf, 0, algorithm="scatter_allgather", timeout=5)
+            sub.send(None, dest=2)
+        elif RANK == 2:
+            sub.recv(source=0)
+            data = c._transport._comms["data"]
+            deadline = time.monotonic() + 10
+            while not data.Iprobe(source=0):  # rank 0's piece has arrived
+                assert time.monotonic() < deadline, "rank 0's message never came"
+                time.sleep(1e-3)
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.broadcast(buf, 0, algorithm="scatter_allgather", timeout=0.005)
+            assert c.statistics()["inline_handed_over"] == 0  # it expired inline
+            assert info.value.ranks == (1,), info.value
+    finally:
+        sub.Barrier()
+        c.close(cancel=True)
+        sub.Free()

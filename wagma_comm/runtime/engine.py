@@ -695,6 +695,7 @@ class Engine:
                     return None
             work = work_of(*work_args)
             if outcome == EXPIRED:
+                self._retire_tested(state)
                 error = timeout_error(work, work.stages[0], schedule.ops,
                                       state.posted(self._transport))
                 self.broken = self.broken or error
@@ -734,6 +735,22 @@ class Engine:
                 stats["messages_received"] += received
                 stats["bytes_received"] += bytes_received
                 stats["local_ops"] += local
+
+    def _retire_tested(self, state: ProgramRun) -> None:
+        """An inline run expired: drop from ``state`` the requests that
+        completed but were not tested yet (a straight line's test of a whole
+        wait completes none until all did), so the timeout names only the
+        ranks still missing and nothing completed is cancelled. A failing
+        test leaves ``state`` as it is: the error is the timeout's."""
+        try:
+            done = self._transport.test_some(list(state.requests))
+        except TransportError:
+            return
+        if done:
+            finished = set(done)
+            keep = [k for k in range(len(state.requests)) if k not in finished]
+            state.requests[:] = [state.requests[k] for k in keep]
+            state.owners[:] = [state.owners[k] for k in keep]
 
     def nudge(self, handle: Handle) -> None:
         """Handle.test() of an unfinished ``handle``: one turn of the engine
@@ -1130,6 +1147,9 @@ class Engine:
             self._drop(run.posted, error)
             self._abandoned.append(run.work.keepalive)
             self._abandoned.extend(run.borrowed)
+            # And every array of the stage: one an inline run handed over
+            # receives into its program's scratch, which is not borrowed.
+            self._abandoned.extend(run.arrays.values())
             self._forget_requests(run)
         else:
             for arr in run.borrowed:
