@@ -133,7 +133,7 @@ class Monitor:
                 seen_at = time.monotonic()
             elif time.monotonic() - seen_at > GRACE_S and self._in_flight() > 0:
                 _exit(self._liveness, f"collectives are still in flight {GRACE_S:g} s after "
-                      "the death was seen (blocked inside MPI)")
+                      "the death was seen (possibly blocked inside MPI)")
 
 
 _DEATHS: list[Liveness] = []  # those that saw a peer die, in order
