@@ -492,6 +492,10 @@ class Communicator:
     def close(self, cancel: bool = False) -> None:
         """Finish in-flight collectives (or fail them with ``cancel``), stop the
         progress thread and free the MPI communicators. Idempotent."""
+        if cancel and self._shared is not None:
+            # Before the submission lock: a post waiting for a late peer holds
+            # it (and a blocking call its piece's lock) until the deadline.
+            self._shared.cancel(_cancelled())
         with self._lock:
             if self._closed:
                 return
@@ -546,15 +550,26 @@ class Communicator:
         """close() for the atexit hook: drain for a bounded time, then cancel
         (CommunicatorClosedError), reporting on stderr when anything was in
         flight. Never blocks longer than the drain plus a few seconds."""
-        with self._lock:
+        if self._closed:
+            return  # (checked again under the lock)
+        drain = min(self._timeout, _exit_drain_s())
+        drained = time.monotonic() + drain  # the shared-memory calls' drain ends
+        # A post waiting for a late peer (shared memory) holds the submission
+        # lock until its deadline: past the drain's time it is cancelled.
+        if not self._lock.acquire(timeout=min(drain, threading.TIMEOUT_MAX)):
+            if self._shared is not None:
+                self._shared.cancel(_cancelled())
+            self._lock.acquire()
+        try:
             if self._closed:
                 return
             self._closed = True
+        finally:
+            self._lock.release()
         self._forget()
         before = self.statistics()
         pending = before["in_flight"]
-        drain = min(self._timeout, _exit_drain_s())
-        shared_cancelled = (self._shared.drain(_cancelled(), until=time.monotonic() + drain)
+        shared_cancelled = (self._shared.drain(_cancelled(), until=drained)
                             if self._shared is not None else 0)
         where = f"wagma_comm: rank {self.rank}/{self.size}:"
         unclosed = sorted(p.kind for p in list(self._persistent) if not p._closed)

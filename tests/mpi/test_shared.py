@@ -11,6 +11,7 @@ import logging
 import random
 import threading
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -568,6 +569,120 @@ def test_close_cancel_fails_an_exchange_nobody_joins() -> None:
             assert time.monotonic() - start < 5.0  # not the 60 s deadline
             with pytest.raises(wagma_comm.CommunicatorClosedError, match="in flight"):
                 handle.wait()
+
+
+def _on_a_thread(call: "typing.Callable[[], object]") -> tuple[threading.Thread, list]:
+    """Run ``call`` on a thread; the list gets its error (or None) and when it
+    ended (time.monotonic())."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # reported by the test
+            outcome.append(exc)
+        outcome.append(time.monotonic())
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("how", ["blocking", "wait"])
+def test_close_cancel_fails_a_blocking_exchange_waiting_on_another_thread(how: str) -> None:
+    """A blocking call (or a wait on a non-blocking one) waits on a second
+    thread for a peer that never comes; close(cancel=True) from the main
+    thread must fail it at once with CommunicatorClosedError (close waited
+    for the call's lock until its deadline, 10 s, and the call then ended in
+    CollectiveTimeoutError)."""
+    with own_communicator(60, "a call nobody joins needs two ranks") as c:
+        if RANK == 0:
+            if how == "blocking":
+                thread, outcome = _on_a_thread(lambda: c.allreduce(np.ones(4), timeout=10.0))
+            else:
+                handle = c.allreduce(np.ones(4), async_op=True, timeout=10.0)
+                thread, outcome = _on_a_thread(handle.wait)
+            time.sleep(0.3)  # it waits for the others
+            assert thread.is_alive()
+            start = time.monotonic()
+            c.close(cancel=True)
+            closed_s = time.monotonic() - start
+            thread.join(30)
+            assert isinstance(outcome[0], wagma_comm.CommunicatorClosedError), outcome
+            assert "cancel=True" in str(outcome[0])
+            assert outcome[1] - start < 2.0, outcome[1] - start
+            assert closed_s < 2.0, closed_s
+            assert c.statistics()["in_flight"] == 0
+            with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+                c.allreduce(np.ones(4))
+
+
+def test_close_cancel_interrupts_a_post_waiting_for_a_late_peer() -> None:
+    """A thread posts non-blocking calls nobody joins: the post that comes
+    round to the first call's row set waits for the peers (holding the
+    submission lock). close(cancel=True) must interrupt it at once, and every
+    handle fail with CommunicatorClosedError (close waited for the lock
+    until that post's deadline)."""
+    with own_communicator(60, "a call nobody joins needs two ranks") as c:
+        if RANK == 0:
+            handles: list[wagma_comm.Handle] = []
+
+            def post() -> None:
+                for _ in range(DEPTH + 1):
+                    handles.append(c.allreduce(np.ones(4), async_op=True, timeout=10.0))
+            thread, outcome = _on_a_thread(post)
+            time.sleep(0.3)  # its last post waits for the first call's peers
+            assert thread.is_alive() and len(handles) == DEPTH
+            start = time.monotonic()
+            c.close(cancel=True)
+            closed_s = time.monotonic() - start
+            thread.join(30)
+            assert isinstance(outcome[0], wagma_comm.CommunicatorClosedError), outcome
+            assert outcome[1] - start < 2.0, outcome[1] - start
+            assert closed_s < 2.0, closed_s
+            for handle in handles:
+                assert handle.done
+                with pytest.raises(wagma_comm.CommunicatorClosedError, match="cancel=True"):
+                    handle.wait()
+            assert c.statistics()["in_flight"] == 0
+
+
+def test_close_without_cancel_finishes_a_blocking_exchange_on_another_thread() -> None:
+    """close() without cancel while a blocking call waits on another thread
+    for late peers: the call is not cut short, it completes exactly."""
+    with own_communicator(60, "a late rank needs two ranks") as c:
+        x = np.full(4, RANK + 1.0)
+        if RANK != 0:
+            time.sleep(1.0)
+            c.allreduce(x, timeout=10.0)
+        else:
+            thread, outcome = _on_a_thread(lambda: c.allreduce(x, timeout=10.0))
+            time.sleep(0.3)  # it waits for the others
+            start = time.monotonic()
+            c.close()
+            closed_s = time.monotonic() - start
+            thread.join(30)
+            assert outcome[0] is None, outcome
+            assert closed_s < 9.0, closed_s  # they came after about a second
+        np.testing.assert_array_equal(x, np.full(4, SIZE * (SIZE + 1) / 2))
+
+
+def test_close_without_cancel_ends_a_blocking_exchange_nobody_joins_at_its_deadline(
+        ) -> None:
+    """close() without cancel while a blocking call nobody joins waits on
+    another thread: the call ends at its own deadline with a timeout naming
+    the missing ranks, and close() returns then."""
+    with own_communicator(60, "a call nobody joins needs two ranks") as c:
+        if RANK == 0:
+            thread, outcome = _on_a_thread(lambda: c.allreduce(np.ones(4), timeout=2.0))
+            time.sleep(0.3)  # it waits for the others
+            start = time.monotonic()
+            c.close()
+            closed_s = time.monotonic() - start
+            thread.join(30)
+            assert isinstance(outcome[0], wagma_comm.CollectiveTimeoutError), outcome
+            assert 1 in outcome[0].ranks
+            assert 1.0 < closed_s < 2.0 + 10.0, closed_s
 
 
 def test_explicit_algorithm_errors_are_local_and_typed(

@@ -294,3 +294,66 @@ def test_interpreter_exit_with_collectives_outstanding(mode: str) -> None:
                 ("error CommunicatorClosedError", "error CollectiveTimeoutError")), stdout
             assert (f"rank {r}/2: interpreter exit with 1 persistent collective(s) not "
                     "closed (wait_avoiding_group_allreduce)") in stderr, stderr
+
+
+DAEMON_SCRIPT = r'''
+import sys, threading, time
+import numpy as np
+import wagma_comm
+from wagma_comm.transport.shm import DEPTH
+
+mode, outdir = sys.argv[1], sys.argv[2]
+c = wagma_comm.init(timeout=60)
+if c._shared is None:
+    print("no shared-memory segment", flush=True)
+    sys.exit(0)
+if c.rank == 0:  # the other rank never joins it
+
+    def call():
+        try:
+            if mode == "blocking":
+                c.allreduce(np.ones(4), timeout=40.0)
+            else:  # the post of call DEPTH waits for call 0's peers (the submission lock held)
+                for _ in range(DEPTH + 1):
+                    c.allreduce(np.ones(4), async_op=True, timeout=40.0)
+            outcome = "completed"
+        except wagma_comm.WagmaError as exc:
+            outcome = f"error {type(exc).__name__}: {exc}"
+        with open(f"{outdir}/rank0.txt", "w") as out:
+            print(f"rank 0: call {outcome}", file=out)
+    threading.Thread(target=call, daemon=True).start()
+    time.sleep(0.3)  # it waits for rank 1, holding its call
+print(f"rank {c.rank}: exiting without close()", flush=True)
+'''
+
+
+@pytest.mark.parametrize("mode", ["blocking", "post"])
+def test_exit_cancels_a_shared_memory_call_blocking_a_daemon_thread(mode: str) -> None:
+    """At exit, a daemon thread is blocked in a shared-memory allreduce
+    nobody joins (deadline 40 s), or in the post of a non-blocking one that
+    waits for an earlier call's peers: the exit drain (1 s) must then cancel
+    it with CommunicatorClosedError, not wait for the call's deadline (the
+    cancel waited for the call's lock, or the exit hook for the submission
+    lock, which the thread held until then)."""
+    if RANK == 0:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL"))}
+        env["WAGMA_EXIT_DRAIN"] = "1"
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory() as outdir:
+            out = subprocess.run(
+                [_mpiexec(), "-n", "2", sys.executable, "-c", DAEMON_SCRIPT, mode, outdir],
+                capture_output=True, text=True, env=env, timeout=90)
+            elapsed = time.monotonic() - start
+            report = Path(outdir, "rank0.txt")
+            line = report.read_text() if report.exists() else ""
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        if "no shared-memory segment" not in out.stdout:
+            assert elapsed < 25.0, (elapsed, out.stderr)  # not the 40 s deadline
+            assert line.startswith("rank 0: call error CommunicatorClosedError"), (
+                line, out.stderr)
+            assert "collective(s) did not complete before exit (cancelled" in out.stderr, (
+                out.stderr)
+    request = WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.01)

@@ -40,7 +40,8 @@ its handle completes with its last piece, after all the others. Its post
 copies only the pieces within EAGER_BYTES; the progress thread (woken for
 them), a waiter or the next post publishes the rest.
 Waits yield the core (ranks may outnumber cores) and end at the call's
-deadline with an error naming the ranks still missing.
+deadline with an error naming the ranks still missing, or within a nap of
+close(cancel=True) (:meth:`SharedExchange.cancel`) with its error.
 """
 
 from __future__ import annotations
@@ -251,6 +252,7 @@ class SharedExchange:
         self._queue: deque[Pending] = deque()  # reserved pieces not yet published, in order
         self._last: list[Pending | None] = [None] * DEPTH  # last call of each row set
         self._texts: list[bytes] = [b""] * DEPTH  # description last written per set
+        self._cancel: WagmaError | None = None  # set by cancel(): every wait raises it
 
     @property
     def posted(self) -> int:
@@ -478,21 +480,41 @@ class SharedExchange:
         return ([p for p in self._last if p is not None and not p.finished]
                 + [p for p in list(self._queue) if not p.finished])
 
+    def cancel(self, error: WagmaError) -> None:
+        """close(cancel=True), before it takes any lock: from now on every
+        wait here for a peer (a blocking call's, a post's, a waiter's) raises
+        a copy of ``error`` within a nap, releasing the locks it holds, so
+        neither close nor its drain waits for a call's deadline."""
+        self._cancel = error
+
+    def _cancelled(self) -> WagmaError:
+        """A fresh copy of the cancel's error (threads may raise it at once)."""
+        error = self._cancel
+        assert error is not None
+        return type(error)(*error.args)
+
     def drain(self, error: WagmaError | None, until: float | None = None) -> int:
         """At close: finish every call in flight, each within its deadline (or
         ``until``), and fail the rest with ``error`` (``error`` alone: fail
         them all, a cancel). Either way the published ones are marked done,
         so no peer waits for this rank to read its row. Returns how many
-        were failed with ``error``."""
-        cancelled = 0
-        for pending in self.in_flight():
-            if error is None or until is not None:
+        pieces the cancel failed (here, or on the thread that was finishing
+        them)."""
+        flight = self.in_flight()
+        if error is None or until is not None:
+            for pending in flight:
                 limit = pending.deadline if until is None else min(until, pending.deadline)
-                if pending.complete(limit, raise_error=False):
-                    continue
-            if error is not None:
-                cancelled += pending.fail(error)
-        return cancelled
+                pending.complete(limit, raise_error=False)
+        if error is None:
+            return 0
+        # Cancelled first: a thread finishing a call (its lock held) while it
+        # waits for a peer lets go within a nap instead of at the deadline.
+        self.cancel(error)
+        left = self.in_flight()
+        for pending in left:
+            pending.fail(error)  # once its lock is free: each is finished after this
+        flight += [p for p in left if p not in flight]
+        return sum(p.error is not None and p.error.args == error.args for p in flight)
 
     def wait(self, indices: Sequence[int], ranks: Sequence[int], want: int, deadline: float,
              collective: str, seq: int, what: str, until: float | None = None,
@@ -504,7 +526,8 @@ class SharedExchange:
         the deadline pass, and every _LIVENESS_EVERY_S of ``watched``'s
         polls the watchdog and dead members). Past ``deadline``
         CollectiveTimeoutError names the ranks still missing; a dead one,
-        RankFailedError. ``watched``: the call the watchdog line is about."""
+        RankFailedError; after :meth:`cancel`, its error (looked at with the
+        clock). ``watched``: the call the watchdog line is about."""
         words = self._words
         started = looked = nap = 0.0
         polls = 0
@@ -520,6 +543,8 @@ class SharedExchange:
                         return False  # one look; past the deadline a poll raises too
                 polls += 1
                 if nap or until == 0.0 or polls % _CLOCK_EVERY == 0:
+                    if self._cancel is not None:  # close(cancel=True)
+                        raise self._cancelled()
                     now = time.monotonic()
                     if not started:
                         started = looked = now
