@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -714,6 +715,26 @@ def test_a_duplication_some_rank_never_joins_times_out(what: str) -> None:
     sub.Free()
 
 
+def _outcome_in_thread(call: Callable[[], Any], join_s: float,
+                       what: str) -> tuple[BaseException | None, float]:
+    """Run ``call`` on a daemon thread (a hang must not take the test run
+    with it): what it raised (None if nothing) and how long it took."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 -- the test looks at it
+            outcome.append(exc)
+    started = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(join_s)
+    assert not thread.is_alive(), f"{what} blocked past its timeout"
+    return outcome[0], time.monotonic() - started
+
+
 def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
     """The others' init() times out waiting for the late rank; it arrives
     after, while they still drive MPI, so its first duplication completes.
@@ -722,7 +743,6 @@ def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
     blocking Dup for ever)."""
     if SIZE == 1:
         pytest.skip("a missing rank needs two ranks")
-    import threading
 
     from wagma_comm.transport import mpi as mpi_transport
 
@@ -739,21 +759,9 @@ def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
             assert time.monotonic() < deadline, "the late rank's duplication never came"
             time.sleep(1e-3)
     else:
-        outcome: list[BaseException | None] = []
-
-        def late() -> None:
-            try:
-                wagma_comm.init(timeout=2, mpi_comm=sub).close()
-                outcome.append(None)
-            except BaseException as exc:  # noqa: BLE001 -- the test looks at it
-                outcome.append(exc)
-        started = time.monotonic()
-        thread = threading.Thread(target=late, daemon=True)
-        thread.start()
-        thread.join(20)
-        assert not thread.is_alive(), "init() blocked past its timeout"
-        assert time.monotonic() - started < 10
-        error = outcome[0]
+        error, took = _outcome_in_thread(
+            lambda: wagma_comm.init(timeout=2, mpi_comm=sub).close(), 20, "init()")
+        assert took < 10
         assert isinstance(error, wagma_comm.CollectiveTimeoutError), error
         assert error.collective == "init()" and "gave up on init()" in str(error)
         # its abandoned second step: a duplication of what the first made
@@ -774,8 +782,6 @@ def test_opening_channels_no_peer_joins_times_out() -> None:
     block in a blocking Dup for ever, its progress thread with it)."""
     if SIZE == 1:
         pytest.skip("a missing rank needs two ranks")
-    import threading
-
     from wagma_comm.transport import mpi as mpi_transport
     from wagma_comm.transport.mpi import MPITransport
 
@@ -783,21 +789,9 @@ def test_opening_channels_no_peer_joins_times_out() -> None:
     transport = MPITransport(WORLD, timeout=5)
     try:
         if RANK == 0:  # alone: the others stay away
-            outcome: list[BaseException | None] = []
-
-            def open_alone() -> None:
-                try:
-                    transport.open_channels(["p9.data"])
-                    outcome.append(None)
-                except BaseException as exc:  # noqa: BLE001 -- the test looks at it
-                    outcome.append(exc)
-            started = time.monotonic()
-            thread = threading.Thread(target=open_alone, daemon=True)
-            thread.start()
-            thread.join(30)
-            assert not thread.is_alive(), "open_channels() blocked past the timeout"
-            assert 4 < time.monotonic() - started < 20
-            error = outcome[0]
+            error, took = _outcome_in_thread(
+                lambda: transport.open_channels(["p9.data"]), 30, "open_channels()")
+            assert 4 < took < 20
             assert isinstance(error, wagma_comm.CollectiveTimeoutError), error
             assert "p9.data" in str(error) and "set-up of channels" in error.collective
             assert "p9.data" not in transport._comms

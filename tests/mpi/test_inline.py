@@ -529,8 +529,10 @@ def test_a_handed_over_run_that_fails_keeps_its_scratch_for_mpi() -> None:
                            if s.collective == "allreduce" and s.count == 5)
             if not WORLD.allreduce(program.scratch is None, op=MPI.LOR):
                 break
+        # (Not every rank's schedule has scratch: at 3 ranks the rank beyond
+        # the power of two only sends and receives its data.)
         scratch = list(program.scratch.values())
-        assert scratch
+        assert WORLD.allreduce(int(bool(scratch) and RANK != SIZE - 1)) > 0
         if RANK != SIZE - 1:  # the last rank stays away
             before = c.statistics()["inline_handed_over"]
             with pytest.raises(wagma_comm.CollectiveTimeoutError):
