@@ -92,7 +92,7 @@ def _check_seconds(argument: str, value: object) -> float:
     return v
 
 
-def _check_delay(argument: str, value: object) -> float:
+def check_delay(argument: str, value: object) -> float:
     """A delay an injector will sleep: as :func:`_check_seconds`, at most
     :data:`MAX_DELAY_S`."""
     v = _check_seconds(argument, value)
@@ -205,7 +205,7 @@ class ReferenceImbalance(Injector):
 
     def __init__(self, size: int, delay_s: float, count: int = 2, seed: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.delay_s = _check_delay("delay_s", delay_s)
+        self.delay_s = check_delay("delay_s", delay_s)
         self.count = _check_int("count", count, 1)
         self.seed = _check_int("seed", seed, 0)
         super().__init__(size)
@@ -257,7 +257,7 @@ class SkewedCompute(Injector):
 
     def __init__(self, size: int, mean_s: float, sigma: float = 1.0, seed: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.mean_s = _check_delay("mean_s", mean_s)
+        self.mean_s = check_delay("mean_s", mean_s)
         self.sigma = _check_seconds("sigma", sigma)
         if not math.isfinite(self.sigma * self.sigma):  # mu needs sigma**2 / 2
             raise InvalidArgumentError("sigma", f"too large (sigma**2 overflows), got {sigma}")
@@ -292,7 +292,7 @@ class SlowNode(Injector):
     def __init__(self, size: int, delay_s: float, ranks_per_node: int = 8,
                  node: int = 0) -> None:
         size = _check_int("size", size, 1)
-        self.delay_s = _check_delay("delay_s", delay_s)
+        self.delay_s = check_delay("delay_s", delay_s)
         self.ranks_per_node = _check_int("ranks_per_node", ranks_per_node, 1)
         self.node = _check_int("node", node, 0)
         if self.node * self.ranks_per_node >= size:

@@ -81,24 +81,14 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
-def _seconds(flag: str, value: float) -> float:
-    """A sleep length: finite, >= 0 and at most the injectors' limit (a negative,
-    NaN or huge one would fail inside the first measured step instead)."""
-    from ..errors import InvalidArgumentError
-    from ..imbalance import MAX_DELAY_S
-
-    if not math.isfinite(value) or not 0 <= value <= MAX_DELAY_S:
-        raise InvalidArgumentError(flag, f"expected seconds in [0, {MAX_DELAY_S:g}], got {value}")
-    return value
-
-
 def check_options(args: argparse.Namespace) -> None:
     """Refuse bad options before any communication, naming the option: otherwise
     they fail mid-measurement (a negative sleep), after it (no rounds to take a
     median of), or are silently ignored (``--imbalance`` beside ``--delays``)."""
     from ..errors import InvalidArgumentError
+    from ..imbalance import check_delay
 
-    _seconds("--compute", args.compute)
+    check_delay("--compute", args.compute)
     for flag, value, minimum in (("--sync-every", args.sync_every, 1),
                                  ("--group-size", args.group_size, 0),
                                  ("--elements", args.elements, 1),
@@ -121,6 +111,7 @@ def check_options(args: argparse.Namespace) -> None:
 def delay_list(text: str) -> list[float]:
     """``--delays``: at least one delay, each a valid sleep length."""
     from ..errors import InvalidArgumentError
+    from ..imbalance import check_delay
 
     out = []
     for item in (d.strip() for d in text.split(",")):
@@ -130,7 +121,7 @@ def delay_list(text: str) -> list[float]:
             value = float(item)
         except ValueError:
             raise InvalidArgumentError("--delays", f"{item!r} is not a number") from None
-        out.append(_seconds("--delays", value))
+        out.append(check_delay("--delays", value))
     if not out:
         raise InvalidArgumentError("--delays", f"no delay given in {text!r}")
     return out

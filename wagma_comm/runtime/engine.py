@@ -747,10 +747,7 @@ class Engine:
         except TransportError:
             return
         if done:
-            finished = set(done)
-            keep = [k for k in range(len(state.requests)) if k not in finished]
-            state.requests[:] = [state.requests[k] for k in keep]
-            state.owners[:] = [state.owners[k] for k in keep]
+            state.retire(done)
 
     def nudge(self, handle: Handle) -> None:
         """Handle.test() of an unfinished ``handle``: one turn of the engine

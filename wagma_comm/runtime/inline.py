@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -297,6 +297,14 @@ class ProgramRun:
         self.requests.clear()
         self.owners.clear()
 
+    def retire(self, done: Sequence[int]) -> None:
+        """Drop the requests at indices ``done`` (completed) and their owners,
+        in place (``execute`` holds the lists under local names)."""
+        finished = set(done)
+        keep = [k for k in range(len(self.requests)) if k not in finished]
+        self.requests[:] = [self.requests[k] for k in keep]
+        self.owners[:] = [self.owners[k] for k in keep]
+
     def execute(self, transport: Transport, channel: str, seq: int, deadline: float,
                 patience: float) -> str:
         """Advance until every op is done (DONE), ``deadline`` (monotonic)
@@ -388,10 +396,7 @@ class ProgramRun:
                     requests.clear()
                     owners.clear()
                 else:
-                    finished = set(done)
-                    keep = [k for k in range(len(requests)) if k not in finished]
-                    requests[:] = [requests[k] for k in keep]
-                    owners[:] = [owners[k] for k in keep]
+                    self.retire(done)
         except transport.raw_errors as exc:  # a bare poster's: as the straight line's
             raise transport.error_of(exc) from exc
         finally:
