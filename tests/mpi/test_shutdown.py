@@ -297,15 +297,21 @@ def test_interpreter_exit_with_collectives_outstanding(mode: str) -> None:
 
 
 DAEMON_SCRIPT = r'''
-import sys, threading, time
+import atexit, sys, threading, time
 import numpy as np
 import wagma_comm
 from wagma_comm.transport.shm import DEPTH
 
 mode, outdir = sys.argv[1], sys.argv[2]
+written = threading.Event()
+# Registered before init(), so it runs after wagma_comm's exit hook (atexit
+# is last in, first out): the cancelled daemon thread gets to write its
+# outcome before the interpreter stops it.
+atexit.register(lambda: written.wait(10))
 c = wagma_comm.init(timeout=60)
 if c._shared is None:
     print("no shared-memory segment", flush=True)
+    written.set()
     sys.exit(0)
 if c.rank == 0:  # the other rank never joins it
 
@@ -321,8 +327,11 @@ if c.rank == 0:  # the other rank never joins it
             outcome = f"error {type(exc).__name__}: {exc}"
         with open(f"{outdir}/rank0.txt", "w") as out:
             print(f"rank 0: call {outcome}", file=out)
+        written.set()
     threading.Thread(target=call, daemon=True).start()
     time.sleep(0.3)  # it waits for rank 1, holding its call
+else:
+    written.set()
 print(f"rank {c.rank}: exiting without close()", flush=True)
 '''
 
