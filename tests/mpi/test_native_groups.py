@@ -3,6 +3,7 @@ communicator, and calls on one group keep their order (Work.requires)."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -179,3 +180,39 @@ def test_a_queued_call_fails_at_its_own_deadline_behind_a_longer_one() -> None:
         np.testing.assert_array_equal(mine[1], np.full(4, 4.0, np.float32))
 
     _late_partner_case(early, late)
+
+
+def test_group_set_ups_run_in_call_order() -> None:
+    """A rank sets up one new group at a time, in call order. Each set-up
+    ends in a blocking MPI_Comm_create_group; started out of order, ranks
+    could each block in a different group's creation waiting for a peer
+    blocked in a third (a cycle, forever). Here rank 0 comes late to its
+    step-0 group, so its partner p may set up its step-1 group (with q) only
+    after that: q's step-1 call ends after rank 0 came, not at once."""
+    if SIZE < 4:
+        pytest.skip("needs step-1 groups without rank 0 whose members wait for it")
+    c = wagma_comm.init(timeout=20)
+    late_s = 1.0
+    partner = [r for r in c.group_of(2, 0, rank=0) if r != 0][0]
+    q = [r for r in c.group_of(2, 1, rank=partner) if r != partner][0]
+    try:
+        MPI.COMM_WORLD.Barrier()
+        if RANK == 0:
+            time.sleep(late_s)
+        start = time.monotonic()
+        bufs = [np.full(3, RANK + 1.0, np.float32) for _ in range(2)]
+        handles = [c.group_allreduce(b, 2, step, "sum", algorithm="native", async_op=True)
+                   for step, b in enumerate(bufs)]
+        handles[1].wait()
+        ended = time.monotonic() - start
+        handles[0].wait()
+        for step, b in enumerate(bufs):
+            want = sum(r + 1.0 for r in c.group_of(2, step))
+            np.testing.assert_array_equal(b, np.full(3, want, np.float32))
+        if RANK == q:
+            assert ended >= 0.5 * late_s, (
+                f"rank {q}'s step-1 group was set up by rank {partner} {ended:.3f} s in, "
+                f"before rank {partner}'s earlier set-up with the late rank 0")
+    finally:
+        MPI.COMM_WORLD.Barrier()
+        c.close()

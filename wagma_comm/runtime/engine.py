@@ -930,6 +930,8 @@ class Engine:
                     (r.work.seq for r in self._active if r.work.space == work.space),
                     default=work.seq) >= window:
                 break  # would reuse a live message identity: wait
+            if work.creates and self._creating():
+                break  # set-ups run in call order (see _creating)
             if work.requires and not all(map(self._transport.has_group, work.requires)):
                 if self._setup_pending(work.requires):
                     break  # its group's communicator is still being created: wait
@@ -948,6 +950,16 @@ class Engine:
             self._active.append(run)
             self._enter_stage(run, 0)
         return started
+
+    def _creating(self) -> list[_Run]:
+        """The started collectives still setting up a group. A set-up ends in
+        a blocking MPI_Comm_create_group over the group: started out of call
+        order, two ranks could each block in a different group's creation,
+        waiting for a peer blocked in a third (a cycle no deadline ends). One
+        at a time, in the call order every rank shares, no cycle can form."""
+        has_group = self._transport.has_group
+        return [run for run in self._active
+                if run.work.creates and not all(map(has_group, run.work.creates))]
 
     def _setup_pending(self, groups: tuple[tuple[int, ...], ...]) -> bool:
         """True if a started Work still runs the set-up of every missing group."""
@@ -1249,11 +1261,16 @@ class Engine:
 
     def _blockers(self, head: Work) -> list[_Run]:
         """The started collectives that keep ``head`` (first in the queue)
-        from starting: those creating a group it needs, else the oldest in
-        its sequence space (the sequence window)."""
+        from starting: those creating a group it needs, or (one with a group
+        to set up) any set-up in progress, else the oldest in its sequence
+        space (the sequence window)."""
         if head.requires:
             missing = {g for g in head.requires if not self._transport.has_group(g)}
             creating = [run for run in self._active if missing.intersection(run.work.creates)]
+            if creating:
+                return creating
+        if head.creates:
+            creating = self._creating()
             if creating:
                 return creating
         same = [run for run in self._active if run.work.space == head.space]
