@@ -9,7 +9,8 @@ maxima are exact, only avg rounds, and integer avg must floor (not truncate).
 
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import Any, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +19,11 @@ from mpi4py import MPI
 
 from wagma_comm import groups
 from wagma_comm.bench.peers import HOST_PEERS, Peer, close_peers, make_peers, parse_vs
-from wagma_comm.errors import InvalidArgumentError
+from wagma_comm.errors import (
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -154,3 +159,81 @@ def test_nccl_without_gpu_says_why() -> None:
 def test_versions(peers: dict[str, Peer]) -> None:
     assert "MPI" in peers["mpi"].version() or "MPICH" in peers["mpi"].version()
     assert peers["gloo"].version().startswith("torch ")
+
+
+# -- regressions (review session 44) ----------------------------------------------
+
+def _wait_all(reqs: list[MPI.Request], seconds: float = 30.0) -> None:
+    """MPI_Waitall under a deadline (drives MPI progress for requests left behind)."""
+    end = time.monotonic() + seconds
+    while not MPI.Request.Testall(reqs):
+        assert time.monotonic() < end, "peers did not complete within the deadline"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "10", True])
+def test_timeout_must_be_finite_seconds(timeout: object) -> None:
+    # inf made mpi-nb wait forever (and torch's timedelta overflow); a string
+    # or a bool slipped through as a TypeError or a 1 s timeout.
+    with pytest.raises(InvalidArgumentError) as err:
+        make_peers("mpi-nb", WORLD, timeout=timeout)  # type: ignore[arg-type]
+    assert err.value.argument == "timeout"
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank where gloo can run and one where not")
+def test_peer_unavailable_on_one_rank_is_unavailable_on_all(comm: Any) -> None:
+    # Rank 0 could start gloo, the others not (here: their buffers are said to
+    # be on a GPU; on a cluster: no torch, no GPU on some node). Rank 0 went on
+    # alone into the TCPStore bootstrap's MPI allgather and hung there forever.
+    pytest.importorskip("torch")
+    (gloo,) = make_peers("gloo", WORLD, device="cpu" if RANK == 0 else "cuda")
+    try:
+        assert gloo.reason is not None
+        if RANK == 0:
+            assert "rank 1" in gloo.reason and "device is 'cuda'" in gloo.reason
+        assert gloo.allreduce(np.ones(4, np.float32), "sum") is None
+        comm.barrier(timeout=20.0)  # every rank got here: none is stuck in the bootstrap
+    finally:
+        gloo.close()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a late rank")
+def test_mpi_nb_after_a_timeout_is_broken() -> None:
+    # After a timeout the abandoned MPI_Iallreduce is still posted on the peer's
+    # communicator: a later call would be matched against it by the late ranks
+    # (silently wrong sums). It must refuse, as a wagma communicator does.
+    (peer,) = make_peers("mpi-nb", WORLD, timeout=0.5 if RANK == 0 else 30.0)
+    try:
+        arr = np.ones(COUNT, np.float32)
+        call = peer.allreduce(arr, "sum")
+        assert call is not None
+        call()  # round 1, every rank on time
+        np.testing.assert_array_equal(arr, SIZE)
+        if RANK == 0:
+            with pytest.raises(CollectiveTimeoutError) as err:
+                call()  # round 2: the other ranks wait for the message below
+            assert err.value.collective == "MPI_Iallreduce" and err.value.round == 2
+            go = [WORLD.isend(None, dest=r, tag=44) for r in range(1, SIZE)]
+            with pytest.raises(CommunicatorClosedError):
+                call()
+            assert "broken" in (peer.why_not(arr, "sum") or "")
+            assert peer.allreduce(arr, "sum") is None
+            _wait_all(go)
+        else:
+            _wait_all([WORLD.irecv(source=0, tag=44)])
+            call()  # matches rank 0's abandoned round 2
+        _wait_all([WORLD.Ibarrier()])
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("peer", HOST_PEERS)
+@pytest.mark.parametrize("root", [0.5, 1.0, True, -1, SIZE])
+def test_broadcast_root_must_be_an_int_rank(peers: dict[str, Peer], peer: str,
+                                            root: object) -> None:
+    # mpi4py truncated root=0.5 to 0 (a broadcast from another root than asked);
+    # torch raised an untyped TypeError only when the timed call ran.
+    arr = inputs(RANK, "float32", seed=8)
+    with pytest.raises(InvalidArgumentError) as err:
+        peers[peer].broadcast(arr, root)  # type: ignore[arg-type]
+    assert err.value.argument == "root"

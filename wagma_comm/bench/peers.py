@@ -24,9 +24,10 @@ What each supports; anything else makes the factory return None (and
 ``avg`` is what a user of that library writes: MPI has no average, so it is
 MPI_SUM then a division of the buffer by the group size (NumPy, in place);
 torch uses ReduceOp.AVG on floats. Integer ``avg`` is SUM then floor division on
-every peer, matching wagma's integer avg. gloo reduces float16/bfloat16 in the
-dtype itself (a rounding per step), wagma in float32 (one rounding): compare
-half-precision results with a tolerance, not bitwise.
+every peer, like wagma's integer avg as long as the sum fits the dtype (the
+peers' sum wraps before the division, wagma sums in int64). gloo reduces
+float16/bfloat16 in the dtype itself (a rounding per step), wagma in float32
+(one rounding): compare half-precision results with a tolerance, not bitwise.
 
 Buffers: a C-contiguous writable NumPy array of the real dtype (bfloat16 as
 ``ml_dtypes.bfloat16``; pass the typed view, not a uint16 storage view), or a
@@ -43,10 +44,15 @@ group is shared by the torch peers and destroyed when the last one closes
 (unless the caller had initialised torch.distributed already: then it is used
 and left alone).
 
-Timeouts: gloo and nccl collectives run under the process group's timeout;
-mpi-nb waits with a deadline and raises CollectiveTimeoutError. MPI_Allreduce
+Timeouts (a finite number of seconds): gloo and nccl collectives run under the
+process group's timeout; mpi-nb waits with a deadline and raises
+CollectiveTimeoutError, after which the peer is broken (its abandoned request
+is still posted): later calls raise CommunicatorClosedError. MPI_Allreduce
 and MPI_Bcast (peer ``mpi``) cannot be given one: they are the reference being
 measured, so they stay the plain blocking calls.
+
+A torch peer that cannot run on some rank (no torch, no GPU there) is
+unavailable on every rank, its ``reason`` naming that rank.
 
 Every factory (``allreduce``, ``group_allreduce``, ``broadcast``) is collective
 when it creates communicators or process groups (the first group_allreduce for
@@ -56,6 +62,8 @@ a partition): call it on every rank, in the same order, like the collective.
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -66,6 +74,7 @@ from .. import dtypes
 from ..errors import (
     BufferError,
     CollectiveTimeoutError,
+    CommunicatorClosedError,
     InvalidArgumentError,
     UnsupportedError,
 )
@@ -83,6 +92,16 @@ DEFAULT_TIMEOUT_S = 300.0
 
 _MPI_DTYPES = ("float32", "float64", "int32", "int64", "uint8")
 _MPI_OPS = {"sum": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
+
+
+def _check_timeout(timeout: Any) -> float:
+    """A finite number of seconds > 0: the peers' waits must end (inf would
+    make mpi-nb wait forever and overflow torch's timedelta)."""
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(timeout) or not timeout > 0):
+        raise InvalidArgumentError(
+            "timeout", f"must be a finite number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 def parse_vs(text: str | Sequence[str]) -> list[str]:
@@ -154,6 +173,15 @@ def _divide(arr: np.ndarray, n: int, row: dtypes.DType) -> None:
         np.divide(arr, n, out=arr)
     else:
         np.floor_divide(arr, n, out=arr)
+
+
+def _check_root(root: Any, size: int) -> int:
+    """An int rank in [0, size): mpi4py truncates a float root (0.5 broadcast
+    from rank 0) and torch fails on one only when the timed call runs."""
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral) \
+            or not 0 <= root < size:
+        raise InvalidArgumentError("root", f"must be an int in [0, {size}), got {root!r}")
+    return int(root)
 
 
 def _canonical(partition: Partition, size: int, rank: int,
@@ -232,15 +260,18 @@ class MPIPeer(Peer):
         super().__init__()
         self.name = "mpi-nb" if nonblocking else "mpi"
         self._nb = nonblocking
-        self._timeout = timeout
+        self._timeout = _check_timeout(timeout)
         self._comm: MPI.Comm | None = world.Dup()
         self._groups: dict[tuple[tuple[int, ...], ...], MPI.Comm] = {}
-        self._round = 0
+        self._round = 0  # nonblocking calls started, timed out or not
+        self._broken: str | None = None  # why, after a timeout
 
     def why_not(self, buf: Any, op: str | None = None) -> str | None:
         _check_writable(buf)
         if self._comm is None:
             return "closed"
+        if self._broken is not None:
+            return self._broken
         if _host_array(buf) is None:
             return f"{self.name} works on host memory; this buffer is on a GPU"
         row = _dtype_of(buf)
@@ -253,14 +284,21 @@ class MPIPeer(Peer):
             return f"MPI cannot reduce {row.name} (no standard MPI datatype)"
         return None
 
-    def _wait(self, req: MPI.Request, what: str) -> None:
-        """MPI_Wait with a deadline: MPI_Test until done or the timeout passes."""
+    def _wait(self, start: Callable[[], MPI.Request], what: str) -> None:
+        """Start a nonblocking collective and MPI_Test it until done or the
+        timeout passes. A timeout breaks the peer: the abandoned request stays
+        posted, so a later call would be matched against it by the late ranks."""
+        if self._broken is not None:
+            raise CommunicatorClosedError(f"{self.name}: {self._broken}")
+        self._round += 1
+        req = start()
         if req.Test():
             return
-        self._round += 1
         end = time.monotonic() + self._timeout
         while not req.Test():
             if time.monotonic() > end:
+                self._broken = (f"broken by {what} (round {self._round}) timing out "
+                                f"after {self._timeout} s")
                 raise CollectiveTimeoutError(
                     what, self._round, [], f"{self.name}: not complete after {self._timeout} s")
 
@@ -279,7 +317,7 @@ class MPIPeer(Peer):
         avg = op == "avg"
         if self._nb:
             def call() -> None:
-                self._wait(comm.Iallreduce(MPI.IN_PLACE, target, mop), what)
+                self._wait(lambda: comm.Iallreduce(MPI.IN_PLACE, target, mop), what)
                 if avg:
                     _divide(arr, n, row)
         elif avg:
@@ -311,13 +349,12 @@ class MPIPeer(Peer):
         if self.why_not(buf) is not None or self._comm is None:
             return None
         comm = self._comm
-        if not 0 <= root < comm.Get_size():
-            raise InvalidArgumentError("root", f"must be in [0, {comm.Get_size()}), got {root}")
+        root = _check_root(root, comm.Get_size())
         arr = _host_array(buf)
         assert arr is not None
         target = [arr.reshape(-1).view(np.uint8), MPI.BYTE]
         if self._nb:
-            return lambda: self._wait(comm.Ibcast(target, root), "MPI_Ibcast")
+            return lambda: self._wait(lambda: comm.Ibcast(target, root), "MPI_Ibcast")
         return lambda: comm.Bcast(target, root)
 
     def version(self) -> str:
@@ -473,8 +510,7 @@ class TorchPeer(Peer):
 
         if self.why_not(buf) is not None:
             return None
-        if not 0 <= root < self._size:
-            raise InvalidArgumentError("root", f"must be in [0, {self._size}), got {root}")
+        root = _check_root(root, self._size)
         t = _torch_view(buf)
         return lambda: dist.broadcast(t, src=root)
 
@@ -526,6 +562,23 @@ def _torch_reason(name: str, device: str) -> str | None:
     return None
 
 
+def _agreed_reasons(world: MPI.Comm, mine: dict[str, str | None]
+                    ) -> dict[str, str | None]:
+    """A torch peer that cannot run on some rank is unavailable on every rank
+    (collective): otherwise the ranks that could start it would wait for the
+    others forever in the store bootstrap's MPI calls."""
+    everyone = world.allgather(mine)
+    agreed = dict(mine)
+    for name, reason in mine.items():
+        if reason is not None:
+            continue
+        for r, theirs in enumerate(everyone):
+            if theirs.get(name) is not None:
+                agreed[name] = f"unavailable on rank {r}: {theirs[name]}"
+                break
+    return agreed
+
+
 def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
                device: str = "cpu", timeout: float = DEFAULT_TIMEOUT_S) -> list[Peer]:
     """The peers named (``"mpi,gloo"`` or a list), in that order. Collective:
@@ -540,12 +593,12 @@ def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
     wanted = parse_vs(names)
     if device not in ("cpu", "cuda"):
         raise InvalidArgumentError("device", f"expected 'cpu' or 'cuda', got {device!r}")
-    if not timeout > 0:
-        raise InvalidArgumentError("timeout", f"must be > 0 seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if world is None else world
-    reasons = {n: _torch_reason(n, device) for n in wanted if n in ("gloo", "nccl")}
+    reasons = _agreed_reasons(
+        world, {n: _torch_reason(n, device) for n in wanted if n in ("gloo", "nccl")})
     usable = [n for n, r in reasons.items() if r is None]
     if usable:
         if "nccl" in usable:
