@@ -365,3 +365,36 @@ def test_imbalance_gather_returns_every_value_and_times_out_on_a_missing_rank() 
     finally:
         WORLD.Barrier()
         c.close(cancel=True)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["-n", "-3"], "-n/--iters"),  # gave negative times and a PASS/FAIL verdict
+    (["-r", "0"], "-r/--rounds"),  # failed after set-up: StatisticsError
+    (["-w", "-1"], "-w/--warmup"),
+    (["-f", "1"], "-f/--stepfactor"),  # was raised to 2 silently
+])
+def test_meaningless_counts_are_refused_before_communicating(argv: list[str], flag: str) -> None:
+    from wagma_comm.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as info:
+        _bench(["allreduce", "-b", "8", "-e", "8", "--vs", "none", *argv])
+    assert info.value.argument == flag
+
+
+def test_peers_wait_as_long_as_the_communicator(monkeypatch: Any) -> None:
+    """The peers' deadline is the communicator's (WAGMA_TIMEOUT), not a fixed
+    300 s: a hung peer fails the run as soon as a hung wagma call would."""
+    from wagma_comm.bench import peers as peers_mod
+
+    made: list[float] = []
+    real = peers_mod.make_peers
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        made.append(args[3] if len(args) > 3 else kwargs["timeout"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setenv("WAGMA_TIMEOUT", "37")
+    monkeypatch.setattr(peers_mod, "make_peers", recording)
+    assert _bench(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-r", "1", "-w", "0",
+                   "--vs", "mpi-nb"]) == 0
+    assert made == [37.0]

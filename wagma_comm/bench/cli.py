@@ -137,10 +137,12 @@ def sizes_of(args: argparse.Namespace) -> list[int]:
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         raise InvalidArgumentError("-b/-e", f"need 1 <= minbytes <= maxbytes, got "
                                    f"{args.minbytes}, {args.maxbytes}")
+    if args.stepfactor < 2:  # was raised to 2 silently
+        raise InvalidArgumentError("-f/--stepfactor", f"must be >= 2, got {args.stepfactor}")
     out, nbytes = [], args.minbytes
     while nbytes <= args.maxbytes:
         out.append(nbytes)
-        nbytes *= max(2, args.stepfactor)
+        nbytes *= args.stepfactor
     return out
 
 
@@ -342,6 +344,18 @@ def _check_overlap_options(args: argparse.Namespace) -> None:
             raise UnsupportedError(flag, "the overlap benchmark writes --json only")
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refused before any communication: counts that make the run meaningless
+    (negative iterations gave negative times and a verdict; no rounds failed
+    after set-up with an untyped error)."""
+    from ..errors import InvalidArgumentError
+
+    for flag, value, least in (("-n/--iters", args.iters, 0), ("-w/--warmup", args.warmup, 0),
+                               ("-r/--rounds", args.rounds, 1)):
+        if value < least:
+            raise InvalidArgumentError(flag, f"must be >= {least}, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
@@ -356,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
                          "after 'bench': wagma bench imbalance [options]")
     _check_device(args.device, args.collective)
     _check_overlap_options(args)
+    _check_counts(args)
     world = MPI.COMM_WORLD
     dtype = dtypes.lookup(args.dtype, "--dtype")
     dtypes.check_op(args.op, "--op")
@@ -365,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
     gsize = args.group_size or max(1, size // 2)
     groups.check_group_size(size, gsize, "--group-size")
     ctx = Context(args, comm, world, dtype,
-                  peers_mod.make_peers(peers_mod.parse_vs(args.vs), world, args.device),
+                  peers_mod.make_peers(peers_mod.parse_vs(args.vs), world, args.device,
+                                       comm.timeout),
                   list(groups.group_of(rank, size, gsize, args.step)),
                   [list(g) for g in groups.partition(size, gsize, args.step)], gsize)
     if rank == 0:
