@@ -81,3 +81,55 @@ def test_a_rank_that_stops_taking_part_is_a_timeout_naming_the_step() -> None:
             late.free()
         else:
             request.Wait()
+
+
+def test_calibrate_refuses_an_out_it_could_not_write_on_every_rank(
+        tmp_path_factory: Any, capsys: Any) -> None:
+    """`wagma sim --calibrate --out DIR` measured for minutes, then rank 0
+    died in open() with IsADirectoryError while the others exited 0. Rank 0
+    now checks --out first and every rank raises the same typed error."""
+    from wagma_comm.cli import main
+
+    where = WORLD.bcast(str(tmp_path_factory.mktemp("out")) if RANK == 0 else None)
+    with pytest.raises(wagma_comm.InvalidArgumentError) as e:
+        main(["sim", "--calibrate", "--repeats", "1", "--out", where])
+    assert e.value.argument == "--out"
+    assert "directory" in str(e.value)
+    assert "ranks" not in capsys.readouterr().out  # nothing measured, no report
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a communicator smaller than the world")
+def test_calibrate_measures_the_communicator_it_is_given() -> None:
+    """calibrate() duplicated MPI_COMM_WORLD whatever communicator it was
+    given: over init(mpi_comm=half) it measured the world's ranks, then failed
+    in group_allreduce with 'group_size ... got 4' (or hung where only half
+    the world called it). It now runs over ``mpi_comm``, checked locally to
+    match the wagma communicator before any communication."""
+    half = WORLD.Split(RANK % 2, RANK)
+    try:
+        with wagma_comm.init(timeout=60.0, mpi_comm=half) as sub:
+            with pytest.raises(wagma_comm.InvalidArgumentError) as e:
+                calibrate(sub, repeats=1)  # MPI_COMM_WORLD is not what sub runs over
+            assert e.value.argument == "mpi_comm"
+            model, raw = calibrate(sub, repeats=1, mpi_comm=half)
+            assert raw["ranks"] == sub.size == half.Get_size()
+            groups = sorted({row["group_size"] for row in raw["group_allreduce"]})
+            assert groups == [g for g in (2, 4, 8, 16, 32, 64) if g < sub.size] + (
+                [sub.size] if sub.size > 1 else [])
+    finally:
+        half.Free()
+
+
+@pytest.mark.skipif(SIZE > 1, reason="one rank has no ping-pong pair")
+def test_one_rank_says_which_parameters_it_did_not_measure(comm: Communicator,
+                                                           capsys: Any, tmp_path: Any) -> None:
+    """With one rank there is no pair and no group to time: latency 0,
+    1 TB/s and o = 0 were written as a calibration, and the file said only
+    that the inter-node link was 'taken equal to intra-node'."""
+    from wagma_comm.cli import main
+
+    model, raw = calibrate(comm, repeats=1)
+    assert "not measured" in raw["intra_node"]
+    assert "not measured" in model.source
+    main(["sim", "--calibrate", "--repeats", "1", "--out", str(tmp_path / "c.json")])
+    assert "# note: intra_node: not measured" in capsys.readouterr().out

@@ -614,15 +614,16 @@ def test_all_to_all_blocks_of_senders() -> None:
     np.testing.assert_allclose(ends, expected, rtol=1e-12, atol=0)
 
 
-def test_collectives_arrival_check_is_the_exchange_of_one_int64() -> None:
+def test_collectives_arrival_check_is_the_exchange_of_two_int64() -> None:
+    """As partial/base.py's _arrival_stage: the count and which final call."""
     lib = Collectives(6, GPU_CLUSTER.with_(ranks_per_node=4))
     chk = lib.arrival_check()
     assert chk is lib.arrival_check()  # cached
-    dag = TimedDag([alg.compile_exchange(r, tuple(range(6)), 1) for r in range(6)],
+    dag = TimedDag([alg.compile_exchange(r, tuple(range(6)), 2) for r in range(6)],
                    lib.cost, 8)
     starts = np.array([0, 1, 2, 3, 4, 5]) * 1e-6
     np.testing.assert_allclose(chk.evaluate(starts), dag.evaluate(starts), rtol=TIGHT)
-    assert chk.traffic.bytes.tolist() == [40.0] * 6
+    assert chk.traffic.bytes.tolist() == [80.0] * 6
 
 
 # ======================================================= 4. activation tokens
@@ -922,7 +923,7 @@ def test_messages_and_bytes_per_iteration() -> None:
     w = Workload(16, 1000, 0.01, group_size=4, steps=1, sync_every=1)
     r = simulate("wagma", w, GPU_CLUSTER)
     assert r.messages_per_iteration == 15 + 4
-    assert r.bytes_per_iteration == 15 * 8 + 4 * (1000 + 16) * 4
+    assert r.bytes_per_iteration == 15 * 16 + 4 * (1000 + 16) * 4
     # 8 ranks in groups of 4: radices (4, 2), so group step 1 pairs ranks
     w = Workload(**SMALL, steps=3, sync_every=100)
     r = simulate("wagma", w, GPU_CLUSTER)
@@ -1372,3 +1373,91 @@ def test_validate_refuses_what_is_not_a_measurement(tmp_path, content: str) -> N
     with pytest.raises(InvalidArgumentError) as e:
         _cli(["sim", "--validate", str(tmp_path / "missing.json"), "--cost", "zero"])
     assert e.value.argument == "validate"
+
+
+def test_sync_round_arrival_check_runs_beside_the_data() -> None:
+    """partial/base.py (since session 22, docs/partial.md) starts a sync round's
+    all-to-all arrival check and its data exchange together (_check_arrivals
+    beside _exchange); the simulator ran the check first and the data after
+    it, a full exchange of latency too much on every sync round. Both start
+    at the round's start; the round ends when both have."""
+    cost = GPU_CLUSTER.with_(ranks_per_node=4)
+    comp = 0.01
+    w = Workload(**SMALL, steps=1, sync_every=1)
+    copy, finish = host_copies(cost, w)
+    lib = Collectives(8, cost)
+    begin = np.full(8, comp + copy + cost.call_overhead_s + copy)
+    data = lib.global_round(1000).evaluate(begin)
+    check = lib.arrival_check().evaluate(begin)
+    expected = float(np.maximum(data, check).max()) + finish
+    serial = float(lib.global_round(1000).evaluate(check).max()) + finish
+    assert serial > expected  # the two models differ here
+    for m in PARTIAL:
+        r = simulate(m, w, cost, lib)
+        assert r.makespan_s == pytest.approx(expected, rel=1e-12), m
+
+
+@pytest.mark.parametrize("field", ["latency_intra_s", "latency_inter_s", "reduce_s_per_byte",
+                                   "copy_s_per_byte", "op_overhead_s", "call_overhead_s",
+                                   "ranks_per_node"])
+def test_cost_model_rejects_infinite_costs(field: str) -> None:
+    """An infinite latency, rate or overhead (JSON 'Infinity' in a cost file)
+    was accepted and made every time infinite (`wagma sim` then died in a
+    ZeroDivisionError printing the table); an infinite ranks_per_node raised
+    OverflowError. Only bandwidths may be infinite (messages of no size)."""
+    with pytest.raises(InvalidArgumentError) as e:
+        GPU_CLUSTER.with_(**{field: math.inf})
+    assert e.value.argument == field
+    assert GPU_CLUSTER.with_(bandwidth_inter=math.inf).bandwidth_inter == math.inf
+
+
+@pytest.mark.parametrize("option,bad", [("--json", "DIR"), ("--plot", "DIR"),
+                                        ("--plot", "scale.txt")])
+def test_sim_refuses_an_output_it_could_not_write_before_simulating(
+        tmp_path, capsys, option: str, bad: str) -> None:
+    """`wagma sim --json DIR` (or --plot with a name matplotlib cannot render)
+    simulated every size first (minutes at thousands of ranks), printed the
+    tables, then died in open() with IsADirectoryError, or in the plot."""
+    path = str(tmp_path) if bad == "DIR" else str(tmp_path / bad)
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--ranks", "4", "--steps", "2", "--methods", "allreduce", option, path])
+    assert e.value.argument == option
+    assert capsys.readouterr().out == ""  # nothing simulated
+
+
+def test_validate_refuses_an_output_it_could_not_write_before_simulating(
+        tmp_path, capsys) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_measurement(0.01)))
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--validate", str(path), "--cost", "zero", "--json", str(tmp_path)])
+    assert e.value.argument == "--json"
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("rates", [{"allreduce": 0.0}, {"allreduce": -3.0},
+                                   {"allreduce": float("nan")}, {"allreduce": "50"},
+                                   {"sgp": 50.0}, {}, [50.0]])
+def test_validate_refuses_rates_that_are_not_measurements(tmp_path, capsys, rates) -> None:
+    """A measured rate of 0 died in ZeroDivisionError after the header was
+    printed; NaN or a negative rate printed a FAIL row as if measured; an
+    unknown method was refused as `method`, naming neither file nor entry."""
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(_measurement(0.01) | {"rates": rates}))
+    with pytest.raises(InvalidArgumentError, match="rates") as e:
+        _cli(["sim", "--validate", str(path), "--cost", "zero"])
+    assert e.value.argument == "validate"
+    assert capsys.readouterr().out == ""
+
+
+def test_plan_refuses_sync_periods_longer_than_the_simulated_steps() -> None:
+    """`wagma plan --steps 20` simulated the sync period 40 without a single
+    sync round, so it looked fastest and was recommended."""
+    from wagma_comm.sim.plan import plan
+
+    w = Workload(8, 1000, 0.01, "reference:0.01:2", steps=20)
+    with pytest.raises(InvalidArgumentError, match="40") as e:
+        plan(w, GPU_CLUSTER, [2, 4], [5, 40])
+    assert e.value.argument == "sync_periods"
+    candidates, chosen = plan(w, GPU_CLUSTER, [2, 4], [5, 20])
+    assert len(candidates) == 4 and chosen.sync_every in (5, 20)

@@ -52,9 +52,10 @@ class _World:
     instead of a hang; waits outside the timed loops nap, leaving the cores
     to the ranks being measured."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, mpi_comm: Any = None) -> None:
         self.timeout = timeout
-        self.comm = dup_with_deadline(MPI.COMM_WORLD, timeout, "wagma sim --calibrate")
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.comm = dup_with_deadline(base, timeout, "wagma sim --calibrate")
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
 
     def wait(self, request: Any, uses: Any, step: str, ranks: tuple[int, ...] = (),
@@ -175,11 +176,17 @@ def check_repeats(repeats: object) -> int:
     return repeats
 
 
-def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
-    """Measure every parameter (collective: all ranks call it). Returns the
-    model and the raw measurements (the same on every rank)."""
+def calibrate(comm: Any, repeats: int = 30,
+              mpi_comm: Any = None) -> tuple[CostModel, dict[str, Any]]:
+    """Measure every parameter (collective: all ranks of ``comm`` call it).
+    ``mpi_comm``: the MPI communicator ``comm`` was created over
+    (``init(mpi_comm=...)``; default MPI_COMM_WORLD), which the ping-pongs and
+    the exchanges of results use. Returns the model and the raw measurements
+    (the same on every rank)."""
+    from ..train.neighbors import resolve_mpi_comm
+
     check_repeats(repeats)
-    world = _World(comm.timeout)
+    world = _World(comm.timeout, resolve_mpi_comm(comm, mpi_comm))
     try:
         P = world.size
         hosts = world.host_names()
@@ -203,6 +210,9 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
             fits[label] = _fit_line(x, y)
         if "intra" not in fits:  # one rank per node: the inter-node pair is all there is
             fits["intra"] = fits.get("inter", (0.0, 1e-12))
+            if "inter" not in fits:  # one rank: placeholders, said so in the file
+                raw["intra_node"] = ("not measured (one rank: no ping-pong pair, no group to "
+                                     "time): latency 0, bandwidth 1e12 B/s, per-op overhead 0")
         if "inter" not in fits:
             fits["inter"] = fits["intra"]
             raw["inter_node"] = "not measured (one node): taken equal to intra-node"
@@ -235,7 +245,8 @@ def calibrate(comm: Any, repeats: int = 30) -> tuple[CostModel, dict[str, Any]]:
         model = model.with_(
             name=f"calibrated:{hosts[0]}:P={P}",
             source=f"wagma sim --calibrate on {len(set(hosts))} node(s), {P} ranks, "
-                   f"{per_node} per node, {time.strftime('%Y-%m-%d')}")
+                   f"{per_node} per node, {time.strftime('%Y-%m-%d')}"
+                   + ("; links and per-op overhead not measured (one rank)" if P == 1 else ""))
         return model, raw
     finally:
         world.free()

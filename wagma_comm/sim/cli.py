@@ -125,13 +125,26 @@ def print_table(size: int, w: Workload, cost: CostModel, results: dict[str, Any]
               f"{hist if hist else ''}")
 
 
+def _check_outputs(args: argparse.Namespace, plot: bool) -> None:
+    """Refuse ``--json`` (and ``--plot``) before simulating when they could
+    not be written at the end: a sweep at thousands of ranks takes minutes."""
+    from ..bench.plot import check_image_path, check_output_path
+
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    if plot and args.plot is not None:
+        check_image_path(args.plot, "--plot")
+
+
 def run_sim(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
     cost = CostModel.load(args.cost)
     if args.validate:
+        _check_outputs(args, plot=False)
         return _validate(args, cost)
     methods = _methods(args.methods)
+    _check_outputs(args, plot=True)
     out = []
     for size in args.ranks:
         w = Workload(size, _elements(args), args.compute, args.imbalance, args.steps,
@@ -163,6 +176,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     comm = wagma_comm.init()
     try:
+        _check_out(comm, args.out)
         t0 = time.perf_counter()
         model, raw = calibrate(comm, repeats=args.repeats)
         if comm.rank == 0:
@@ -170,6 +184,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"# wagma sim --calibrate: {raw['ranks']} ranks, "
                   f"{raw['ranks_per_node']} per node, {time.perf_counter() - t0:.1f} s")
             print_cost(model)
+            for key in ("intra_node", "inter_node"):
+                if key in raw:
+                    print(f"# note: {key}: {raw[key]}")
             print(f"# fitted: per-op overhead, and ping-pong bandwidth / "
                   f"{raw['contention_factor']:.2f} (every rank communicating at once)")
             print("# group_allreduce (sum, float32): measured vs simulated with this model")
@@ -182,6 +199,23 @@ def _calibrate(args: argparse.Namespace) -> int:
     finally:
         comm.close()
     return 0
+
+
+def _check_out(comm: Any, path: str) -> None:
+    """Collective: rank 0 checks it can write ``--out`` before minutes of
+    measuring; every rank raises the same typed error if not."""
+    from ..bench.imbalance import comm_allgather
+    from ..bench.plot import check_output_path
+
+    problem = None
+    if comm.rank == 0:
+        try:
+            check_output_path(path, "--out")
+        except InvalidArgumentError as exc:
+            problem = str(exc).removeprefix("--out: ")
+    problem = comm_allgather(comm, problem)[0]
+    if problem is not None:
+        raise InvalidArgumentError("--out", problem)
 
 
 def print_cost(model: CostModel) -> None:
@@ -222,6 +256,16 @@ def _measurements(path: str) -> list[dict[str, Any]]:
             where = f" (sweep entry {k})" if "sweep" in res else ""
             raise InvalidArgumentError("validate", f"{path!r}{where} lacks {', '.join(missing)}:"
                                        " not a `wagma imbalance --json` measurement")
+        rates = m["rates"]
+        bad = (not isinstance(rates, dict) or not rates
+               or any(method not in METHODS or isinstance(r, bool)
+                      or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0
+                      for method, r in rates.items()))
+        if bad:  # a ratio to 0, NaN or a method we cannot simulate means nothing
+            where = f" (sweep entry {k})" if "sweep" in res else ""
+            raise InvalidArgumentError("validate", f"{path!r}{where}: rates must map some of "
+                                       f"{', '.join(METHODS)} to measured it/s > 0, got "
+                                       f"{rates!r}")
     return found
 
 

@@ -188,8 +188,9 @@ class Collectives:
         return self._dag([self.everyone], count, "sum", flags=True)
 
     def _arrival_check(self) -> AllToAllTiming:
-        """The all-to-all of one int64 before every synchronous round."""
-        return AllToAllTiming(self.everyone, 1, self.cost, 8)
+        """The all-to-all of two int64 per rank (the round count and which
+        final call, ``partial/base.py``) beside every synchronous round's data."""
+        return AllToAllTiming(self.everyone, 2, self.cost, 8)
 
     def _neighbours(self, count: int) -> TimedDag:
         """D-PSGD: every rank averages with its ring neighbours."""

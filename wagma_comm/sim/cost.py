@@ -49,6 +49,10 @@ class CostModel:
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or math.isnan(value) or value < 0):
                 raise InvalidArgumentError(f.name, f"expected a number >= 0, got {value!r}")
+            # An infinite bandwidth is a free message; an infinite latency, rate
+            # or overhead would make every simulated time infinite.
+            if math.isinf(value) and not f.name.startswith("bandwidth_"):
+                raise InvalidArgumentError(f.name, f"expected a finite number, got {value!r}")
         if self.bandwidth_intra <= 0 or self.bandwidth_inter <= 0:
             raise InvalidArgumentError("bandwidth", "bandwidths must be > 0 bytes/s")
         if int(self.ranks_per_node) != self.ranks_per_node or self.ranks_per_node < 1:

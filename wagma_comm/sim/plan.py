@@ -62,6 +62,11 @@ def plan(base: Workload, cost: CostModel, group_sizes: Sequence[int] | None = No
     periods = list(sync_periods)
     if not periods or any(not isinstance(t, int) or t < 1 for t in periods):
         raise InvalidArgumentError("sync_periods", f"expected ints >= 1, got {periods!r}")
+    longer = [t for t in periods if t > base.steps]
+    if longer:  # it would run no sync round, so it would look fastest
+        raise InvalidArgumentError("sync_periods", f"{longer} exceed the {base.steps} simulated "
+                                   "steps: no sync round would be simulated; simulate more "
+                                   "steps or choose shorter periods")
     lib = Collectives(base.size, cost, base.itemsize, base.algorithm)
     out = []
     for s in sizes:

@@ -18,7 +18,8 @@ Partial collectives (WAGMA, solo, majority) follow ``partial/base.py``:
 * a rank whose application arrives after its round started contributes a
   stale model and, if the round has also ended, does not wait at all;
 * every ``sync_every``-th round is synchronous: it starts on each rank when
-  its application arrives, runs the all-to-all arrival check, then the data.
+  its application arrives and runs the all-to-all arrival check beside the
+  data (as ``partial/base.py`` does); it ends when both have.
 
 Staleness is what the runtime reports to ``step()``: the number of rounds at or
 after this one that had started on the rank when its application arrived.
@@ -189,10 +190,14 @@ class _Run:
         finish = cost.op_overhead_s + nbytes * cost.reduce_s_per_byte
         a = a + copy  # _contribute
         if sync:
+            # partial/base.py starts the arrival check beside the data exchange
+            # (not before it: docs/partial.md); the model gives the two no shared
+            # port, so the round ends when both have.
             s = np.maximum(a, self.busy_until)
-            checked = lib.arrival_check().evaluate(s + self.c + copy)
+            begin = s + self.c + copy
+            e = np.maximum(lib.global_round(w.elements).evaluate(begin),
+                           lib.arrival_check().evaluate(begin))
             self._count(lib.arrival_check())
-            e = lib.global_round(w.elements).evaluate(checked)
             self._count(lib.global_round(w.elements))
             fresh = np.ones(w.size, dtype=bool)
         else:
