@@ -213,6 +213,75 @@ def test_close_before_waiting_on_a_sync_round_finishes_it(comm: Communicator) ->
 
 
 @needs_peers
+def test_an_async_sync_rounds_handle_names_the_step_not_the_allreduce(
+        comm: Communicator) -> None:
+    """The handle of an async sync step is the step's: its ``collective`` and
+    ``round`` (and a WaitTimeoutError's text) name this collective and round
+    0, as a message path step's Handle does. Before session 44 they were
+    the communicator's allreduce under it (``allreduce``, its own call
+    count). The slow rank steps only after the others looked."""
+    w = _wagma(comm, np.zeros(4), 2, sync_every=10, first_round=9)
+    model = np.full(4, float(RANK))
+    if RANK != SLOW:
+        h = w.step(model, async_op=True)
+        assert (h.collective, h.round) == (w.kind, 0), (h.collective, h.round)
+        with pytest.raises(wagma_comm.WaitTimeoutError, match=rf"^{w.kind} \(round 0\)"):
+            h.wait(timeout=0)
+    WORLD.Barrier()
+    if RANK == SLOW:
+        h = w.step(model, async_op=True)
+        assert (h.collective, h.round) == (w.kind, 0), (h.collective, h.round)
+    assert h.wait().round == 0 and np.all(model == sum(range(SIZE)) / SIZE)
+    w.close()
+
+
+@needs_peers
+def test_a_bad_wait_timeout_on_an_async_sync_round_breaks_nothing(
+        comm: Communicator) -> None:
+    """``wait(timeout=-1)`` on an async sync step is the caller's error:
+    InvalidArgumentError, and the round runs on, lands and is published,
+    and the collective stays usable (before session 44 the bad timeout was
+    taken for the round's outcome: the collective was broken, every later
+    wait raised it, and close() skipped its agreement, so the peers' close
+    timed out)."""
+    w = _wagma(comm, np.zeros(4), 2, sync_every=10, first_round=9)
+    model = np.full(4, float(RANK))
+    h = w.step(model, async_op=True)
+    for bad in (-1, float("nan"), "1"):
+        with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+            h.wait(timeout=bad)
+        assert info.value.argument == "timeout"
+    assert w.statistics()["broken"] is None
+    info = h.wait()
+    assert info.synchronized and info.round == 0
+    assert np.all(model == sum(range(SIZE)) / SIZE)
+    after = np.full(4, 1.0)
+    assert not w.step(after).synchronized  # round 1: a group round, still usable
+    assert w.statistics()["completed_round"] == 1
+    w.close()
+
+
+@needs_peers
+def test_an_async_sync_steps_wait_time_is_the_rounds_not_the_callers_compute(
+        comm: Communicator) -> None:
+    """``wait_time_s``/``sync_wait_time_s`` are "seconds from call to
+    result": for an async sync step the round's own time, as on the message
+    path, not the compute the caller overlaps with it before wait(). Before
+    session 44 the board counted until the handle was settled (here 1 s of
+    sleep for a round of milliseconds)."""
+    compute = 1.0
+    w = _wagma(comm, np.zeros(4), 2, sync_every=10, first_round=9)
+    WORLD.Barrier()
+    h = w.step(np.full(4, float(RANK)), async_op=True)
+    time.sleep(compute)  # the caller's compute, overlapping the round
+    assert h.wait().synchronized
+    stats = w.statistics()
+    assert stats["sync_wait_time_s"] == stats["wait_time_s"]
+    assert stats["sync_wait_time_s"] <= h.elapsed + 0.25, (stats["sync_wait_time_s"], h.elapsed)
+    w.close()
+
+
+@needs_peers
 def test_a_sync_round_waited_on_by_another_thread_is_settled_once(
         comm: Communicator) -> None:
     """A thread waits on each async sync round while the main thread steps
@@ -545,6 +614,103 @@ def test_ranks_that_create_it_differently_get_a_mismatch(comm: Communicator,
     mismatched_creations_are_refused(
         comm, make, "first_round=4" if what == "first_round" else
         f"count={MODEL_MAX_BYTES // 4 + 1}")
+
+
+@needs_peers
+@pytest.mark.parametrize("how", ["close", "exception"])
+def test_close_unmaps_the_board_while_the_object_lives(comm: Communicator, how: str) -> None:
+    """After close() (or a ``with`` block left by an exception) the board is
+    no longer mapped here, though the collective object is still
+    referenced (for its statistics, say): its /dev/shm memory, P times
+    twice the model, is freed once every rank closed. Before session 44 the
+    object's own views of the board (the models, the cached kernels' rows)
+    kept the mapping, so board.close() could not unmap it."""
+    def mapped(path: str) -> bool:
+        with open("/proc/self/maps") as maps:
+            return any(path in line for line in maps)
+
+    w = _wagma(comm, np.zeros(1 << 12, np.float32), 2, sync_every=10)
+    path = w._board.path
+    assert mapped(path)
+    if how == "close":
+        w.step(np.ones(1 << 12, np.float32))
+        w.close()
+    else:
+        with pytest.raises(KeyError):
+            with w:
+                w.step(np.ones(1 << 12, np.float32))
+                raise KeyError("the application failed")
+    assert not mapped(path), path
+    assert w.statistics()["iteration"] == 1
+    with pytest.raises(wagma_comm.CommunicatorClosedError):
+        w.step(np.ones(1 << 12, np.float32))
+    WORLD.Barrier()
+
+
+@needs_peers
+def test_close_on_another_thread_waits_for_a_step_that_uses_the_board(
+        comm: Communicator) -> None:
+    """Rank 0 steps on one thread while it holds its own board lock (so the
+    step waits inside the board) and closes on another: the unmap must wait
+    for the step, which completes. Before session 44 nothing ordered them:
+    once close() cleared the board the step failed with IndexError and left
+    rank 0's lock held, so every later locker timed out."""
+    from wagma_comm.transport import shm_lock
+
+    w = _wagma(comm, np.zeros(4), SIZE, sync_every=10)
+    if RANK != 0:
+        w.step(np.full(4, float(RANK)))  # round 0 runs here: rank 0 gets it late
+    WORLD.Barrier()
+    if RANK != 0:
+        w.close()
+        return
+    lock = w._board.locks[0]
+    assert shm_lock.acquire(lock, time.monotonic() + 5.0)
+    outcome: dict[str, Any] = {}
+
+    def run(what: str, fn: Any) -> None:
+        try:
+            outcome[what] = fn()
+        except BaseException as exc:  # reported by the asserts below
+            outcome[what] = exc
+
+    model = np.zeros(4)
+    stepping = threading.Thread(target=run, args=("step", lambda: w.step(model)))
+    stepping.start()
+    time.sleep(0.3)  # the step waits for rank 0's lock, inside the board
+    closing = threading.Thread(target=run, args=("close", w.close))
+    closing.start()
+    time.sleep(0.5)  # close()'s agreement is done: it would unmap now
+    shm_lock.release(lock)
+    stepping.join(30)
+    closing.join(30)
+    assert isinstance(outcome["step"], RoundInfo), outcome
+    assert outcome["step"].round == 0 and outcome["close"] is None, outcome
+
+
+@needs_peers
+def test_a_board_whose_agreement_fails_leaves_no_file_in_dev_shm() -> None:
+    """Rank 0 opens a board alone (its peers never come), so the agreement
+    on it times out: the file rank 0 created must be gone, as the
+    communicator's own segment is after a failed init(). Before session 44
+    it stayed in /dev/shm (up to twice the model per rank) until a reboot."""
+    import os
+
+    from wagma_comm.partial import shared_wagma
+
+    c = wagma_comm.init(timeout=30)
+    ident = c._register_partial()
+    path = f"{c._shared.segment.path}-p{ident}"
+    try:
+        if RANK == 0:
+            with pytest.raises(wagma_comm.CollectiveTimeoutError):
+                shared_wagma.open_board(c, ident, np.zeros(4), 32, 1.0)
+            assert not os.path.exists(path), path
+    finally:
+        if RANK == 0 and os.path.exists(path):
+            os.unlink(path)
+        WORLD.Barrier()
+        c.close(cancel=True)
 
 
 def test_grace_is_checked_before_any_communication(comm: Communicator) -> None:

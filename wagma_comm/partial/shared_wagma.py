@@ -57,7 +57,7 @@ from ..errors import (
 )
 from ..kernels import host as host_kernels
 from ..runtime.activation import group_step, is_sync_round
-from ..runtime.handle import Handle
+from ..runtime.handle import Handle, _check_wait_timeout
 from ..schedule import algorithms
 from ..transport import shm_lock
 from ..transport.shm_board import ACTIVATOR, DIED, HOLDER, PUBLISHED, RESULT, Board
@@ -84,10 +84,12 @@ class _Continued:
     round's allreduce): ``then`` turns its outcome into the step's RoundInfo,
     once, on the thread that first sees it finished (the caller's wait, or
     the collective's next call settling it: a lock keeps them from both
-    running it)."""
+    running it). ``collective`` and ``round`` name the step (as a message
+    path step's Handle does), not the communicator's allreduce under it."""
 
-    def __init__(self, inner: Any, then: Callable[[BaseException | None], RoundInfo]) -> None:
-        self.collective, self.round = inner.collective, inner.round
+    def __init__(self, inner: Any, then: Callable[[BaseException | None], RoundInfo],
+                 collective: str, round: int) -> None:
+        self.collective, self.round = collective, round
         self._inner, self._then = inner, then
         self._outcome: tuple[RoundInfo | None, BaseException | None] | None = None
         self._settling = threading.Lock()
@@ -129,11 +131,17 @@ class _Continued:
         return True
 
     def wait(self, timeout: float | None = None) -> RoundInfo:
+        # A bad timeout is the caller's error, raised before waiting: taken
+        # for the round's outcome it broke the collective while the round ran on.
+        given = timeout
+        if timeout is not None:
+            timeout = _check_wait_timeout(timeout)
         error = None
         try:
             self._inner.wait(timeout)
-        except WaitTimeoutError:
-            raise  # still running: wait() may be called again
+        except WaitTimeoutError:  # still running: wait() may be called again
+            raise WaitTimeoutError(f"{self.collective} (round {self.round}) still running "
+                                   f"after wait({given}); call wait() again") from None
         except WagmaError as exc:
             error = exc
         return self._settle(error)
@@ -183,6 +191,9 @@ class SharedWaitAvoidingGroupAllreduce:
         self._unsettled: _Continued | None = None  # an async sync round not yet waited on
         self._error: WagmaError | None = None
         self._closed = False
+        # Held while a thread uses the board, and by close() to unmap it: a
+        # step on another thread then finishes first or sees it closed.
+        self._use = threading.RLock()
         self._liveness_checked = 0.0
         self._left_step: float | None = None  # when the last step() returned
         self._compute_s: float | None = None  # moving average of the time between steps
@@ -219,7 +230,9 @@ class SharedWaitAvoidingGroupAllreduce:
                 info = handle.wait()
             self._left_step = time.monotonic()
             return handle if async_op else info
-        info = self._group_round(t, data, started)
+        with self._use:
+            self._check_mapped()
+            info = self._group_round(t, data, started)
         self._left_step = time.monotonic()
         if not async_op:
             return info
@@ -255,7 +268,7 @@ class SharedWaitAvoidingGroupAllreduce:
             if self._error is None and not self._comm.closed:
                 self._agree("close", CLOSE)
         finally:
-            self._board.close()
+            self._unmap()
 
     def statistics(self) -> dict[str, Any]:
         """As the message path's (docs/partial.md, "Telemetry"); ``path`` says
@@ -278,7 +291,7 @@ class SharedWaitAvoidingGroupAllreduce:
             self.close()
         else:
             self._closed = True
-            self._board.close()
+            self._unmap()
 
     # -- group rounds ---------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
@@ -404,12 +417,14 @@ class SharedWaitAvoidingGroupAllreduce:
             raise self._break(failed(self.kind, t))
 
     def _publish(self, data: np.ndarray, t: int | None) -> None:
-        self._hold(self.rank, self._app_round if t is None else t,
-                   time.monotonic() + self.timeout)
-        try:
-            self._write_published(data, t)
-        finally:
-            shm_lock.release(self._board.locks[self.rank])
+        with self._use:
+            self._check_mapped()
+            self._hold(self.rank, self._app_round if t is None else t,
+                       time.monotonic() + self.timeout)
+            try:
+                self._write_published(data, t)
+            finally:
+                shm_lock.release(self._board.locks[self.rank])
 
     def _write_published(self, data: np.ndarray, t: int | None) -> None:
         """(this rank's lock held) ``data`` is this rank's model of round
@@ -513,19 +528,25 @@ class SharedWaitAvoidingGroupAllreduce:
         def then(error: BaseException | None) -> RoundInfo:
             if error is not None:
                 raise self._named(error, t, "synchronous round")
-            if not self._board.closed:  # else nobody reads this rank's slot any more
-                # A flush's mean is this rank's model after its last step,
-                # not a model of the next round: its round number stays.
-                self._publish(data, t if counted else None)
+            with self._use:
+                if not self._board.closed:  # else nobody reads this rank's slot any more
+                    # A flush's mean is this rank's model after its last step,
+                    # not a model of the next round: its round number stays.
+                    self._publish(data, t if counted else None)
             self.telemetry.record_round(self._everyone, self._everyone, True)
             if counted:
-                self.telemetry.record_call(0, time.monotonic() - started, True)
+                # Until the round completed, not until someone settled it: an
+                # async step's caller computes meanwhile (the message path
+                # measures to the delivery too).
+                finished = getattr(inner, "finished", None)
+                end = time.monotonic() if finished is None else finished
+                self.telemetry.record_call(0, end - started, True)
                 self.telemetry.fresh_contributions += 1
                 self._completed = max(self._completed, t)
             return RoundInfo(round=t, step=None, group=self._everyone, activator=None,
                              fresh=self._everyone, staleness=0, synchronized=True,
                              iteration=t)
-        return _Continued(inner, then)
+        return _Continued(inner, then, self.kind, t)
 
     def _settle_sync_round(self) -> WagmaError | None:
         """Finish a sync round that ``step(async_op=True)`` left running: its
@@ -573,6 +594,23 @@ class SharedWaitAvoidingGroupAllreduce:
             self._error = error
         return error
 
+    def _unmap(self) -> None:
+        """Drop every view of the board, then unmap it: a view left (the
+        models, the cached kernels' rows) kept the whole board mapped, and
+        its memory in /dev/shm (P times twice the model) allocated, for as
+        long as this object lived."""
+        with self._use:
+            self._published, self._results = [], []
+            self._reducers.clear()
+            self._combiners.clear()
+            self._board.close()
+
+    def _check_mapped(self) -> None:
+        """(under _use) A thread that got past _check_usable while another
+        closed this collective must not touch the unmapped board."""
+        if self._board.closed:
+            raise CommunicatorClosedError(f"{self.kind} is closed")
+
     def _check_usable(self) -> None:
         if self._closed:
             raise CommunicatorClosedError(f"{self.kind} is closed")
@@ -614,17 +652,26 @@ def open_board(comm: Any, ident: int, initial: np.ndarray, nbytes: int,
             board = Board.create(path, comm.size, nbytes)
         except OSError as exc:
             reason = f"rank 0 could not create {path}: {exc}"
-    created = np.array([board is not None or comm.rank != 0], dtype=np.int64)
-    comm.allreduce(created, "min", timeout=timeout)
-    if created[0] and comm.rank != 0:
-        try:
-            board = Board.attach(path, comm.size, nbytes)
-        except OSError as exc:
-            reason = f"rank {comm.rank} could not map {path}: {exc}"
-    if board is not None:
-        board.published[comm.rank][:initial.nbytes] = initial.reshape(-1).view(np.uint8)
-    mapped = np.array([board is not None], dtype=np.int64)
-    comm.allreduce(mapped, "min", timeout=timeout)
+    try:
+        created = np.array([board is not None or comm.rank != 0], dtype=np.int64)
+        comm.allreduce(created, "min", timeout=timeout)
+        if created[0] and comm.rank != 0:
+            try:
+                board = Board.attach(path, comm.size, nbytes)
+            except OSError as exc:
+                reason = f"rank {comm.rank} could not map {path}: {exc}"
+        if board is not None:
+            board.published[comm.rank][:initial.nbytes] = initial.reshape(-1).view(np.uint8)
+        mapped = np.array([board is not None], dtype=np.int64)
+        comm.allreduce(mapped, "min", timeout=timeout)
+    except BaseException:
+        # An agreement that failed (a rank dead or missing) must not leave
+        # the board's file in /dev/shm: nothing would ever unlink it.
+        if board is not None:
+            if comm.rank == 0:
+                board.unlink()
+            board.close()
+        raise
     if board is not None and comm.rank == 0:
         board.unlink()
     if mapped[0]:
