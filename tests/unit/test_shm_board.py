@@ -100,3 +100,34 @@ def test_the_board_is_laid_out_per_rank_and_shared_between_mappings() -> None:
     assert not os.path.exists(path)
     with pytest.raises(OSError):
         Board.attach(path, size, nbytes)
+
+
+_MAP_FAILS = r"""
+import os, resource, secrets, sys
+from wagma_comm.transport.shm_board import Board
+path = f"/dev/shm/wagma-test-{secrets.token_hex(6)}-p0"
+# Address space for what is mapped now and a little more, not for the board:
+# /dev/shm reserves its pages, the mapping then fails (ENOMEM).
+with open("/proc/self/status") as fh:
+    vm = next(int(l.split()[1]) for l in fh if l.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+try:
+    Board.create(path, 2, 256 << 20)
+except OSError as exc:
+    print("refused:", exc)
+print("left:", os.path.exists(path))
+if os.path.exists(path):
+    os.unlink(path)
+"""
+
+
+def test_a_board_that_cannot_be_mapped_leaves_no_file() -> None:
+    """create_file reserved the pages, then the mapping failed: the file
+    stayed in /dev/shm (twice P times the model) with nobody to unlink it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MAP_FAILS], capture_output=True, text=True,
+                         timeout=120)
+    assert "refused:" in out.stdout, out.stdout + out.stderr
+    assert "left: False" in out.stdout, out.stdout

@@ -116,11 +116,16 @@ class Segment:
     @classmethod
     def create(cls, nonce: str, size: int) -> "Segment":
         """Make the file (zeroed: no call has arrived) and map it. Raises
-        OSError where it cannot (no space in /dev/shm, a name taken)."""
+        OSError where it cannot (no space in /dev/shm, a name taken, no
+        address space to map it), leaving no file behind."""
         path = segment_path(nonce)
         slot = slot_bytes_for(size)
         fd = create_file(path, DEPTH * size * (CONTROL_BYTES + slot))
-        return cls(path, size, slot, fd)
+        try:
+            return cls(path, size, slot, fd)
+        except OSError:
+            os.unlink(path)  # nobody else knows the file yet
+            raise
 
     @classmethod
     def attach(cls, nonce: str, size: int) -> "Segment":

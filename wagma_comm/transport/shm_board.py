@@ -80,11 +80,17 @@ class Board:
     @classmethod
     def create(cls, path: str, size: int, nbytes: int) -> "Board":
         """Make the file with its locks initialised and every round marked
-        unpublished. Raises OSError where it cannot (no space, a name taken)."""
-        board = cls(path, size, nbytes, create_file(path, size * block_bytes(size, nbytes)))
-        for k in range(size):
-            shm_lock.init_lock(board.locks[k])
-            board.words[k][:] = -1
+        unpublished. Raises OSError where it cannot (no space, a name taken,
+        no address space to map it), leaving no file behind."""
+        fd = create_file(path, size * block_bytes(size, nbytes))
+        try:
+            board = cls(path, size, nbytes, fd)
+            for k in range(size):
+                shm_lock.init_lock(board.locks[k])
+                board.words[k][:] = -1
+        except OSError:
+            os.unlink(path)  # nobody else knows the file yet
+            raise
         return board
 
     @classmethod
