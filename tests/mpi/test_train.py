@@ -880,3 +880,239 @@ def test_an_averager_used_after_close_says_so(comm: Communicator, method: str) -
     assert not avg.method.in_flight
     avg.close()  # idempotent
     comm.barrier()  # nothing was started on any rank
+
+
+# -- DistributedOptimizer after an error, a skipped step, odd models (session 44) ------
+
+
+def test_a_timed_out_step_is_retried_typed_and_the_optimizer_still_closes() -> None:
+    """A step() whose round timed out left the wrapper "started" with nothing
+    in flight: a retry raised InvalidArgumentError("finish: no iteration was
+    started"), the next backward was refused as a second gradient, and
+    close() raised that InvalidArgumentError too."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import wagma_comm
+    from wagma_comm.errors import CollectiveTimeoutError, CommunicatorClosedError
+
+    c = wagma_comm.init(timeout=3.0)
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), c, "allreduce",
+                               model=model)
+    if RANK != LAST:  # LAST never computes a gradient nor steps
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        with pytest.raises(CollectiveTimeoutError):
+            opt.step()
+        with pytest.raises(CommunicatorClosedError):  # the broken communicator says so
+            opt.step()
+        opt.zero_grad()
+        with pytest.raises(CommunicatorClosedError):
+            model(torch.ones(1, 2)).sum().backward()
+    opt.close()  # nothing in flight: no error
+    WORLD.Barrier()
+    c.close(cancel=True)
+
+
+class _FailsOnce(torch.optim.SGD):
+    """SGD whose first step raises, as a user's optimizer may (a NaN check)."""
+
+    failed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise FloatingPointError("non-finite update")
+        return super().step(closure)
+
+
+def test_an_optimizer_step_that_raised_is_retried_without_a_new_round(
+        comm: Communicator) -> None:
+    """The wrapped optimizer's step raised after the average was applied: a
+    retry raised InvalidArgumentError("finish: no iteration was started")
+    for ever. It now only steps, with the average already in ``.grad``."""
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(_FailsOnce(model.parameters(), lr=0.5), comm, "allreduce",
+                               model=model)
+    before = model.bias.detach().clone()
+    opt.zero_grad()
+    model(torch.full((1, 2), float(RANK))).sum().backward()
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert opt.iteration == 0
+    opt.step()
+    assert opt.iteration == 1 and opt.statistics()["iterations"] == 1
+    assert torch.allclose(model.bias.grad, torch.ones(1))  # averaged once, stepped once
+    assert torch.allclose(model.bias.detach(), before - 0.5)
+    assert _same_on_every_rank_bytes(_flat(model))
+    opt.close()
+
+
+@pytest.mark.parametrize("method,overlap", [("allreduce", True), ("allreduce", False),
+                                            ("wagma", True)])
+def test_an_iteration_whose_step_amp_skips_ends_at_the_next_zero_grad(
+        comm: Communicator, method: str, overlap: bool) -> None:
+    """AMP's GradScaler.step skips optimizer.step() when the gradients
+    overflowed (here on rank 0; after synchronize(), as docs/training.md
+    says for unscale_). The next iteration reused the skipped one's average:
+    its own gradients were never averaged and the replicas diverged silently
+    (overlap=False), its backward was refused as a second gradient
+    (overlap=True), or a model method's rank 0 stayed one round behind and
+    finalize() failed with a MismatchError."""
+    if not hasattr(torch.amp, "GradScaler"):
+        pytest.skip("torch.amp.GradScaler('cpu') needs torch >= 2.3")
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, method,
+                               model=model, overlap=overlap, sync_every=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for it in range(4):
+        opt.zero_grad()
+        x = torch.full((1, 2), float("inf") if it == 1 and RANK == 0 else float(RANK + 1))
+        scale = scaler.get_scale()
+        scaler.scale(model(x).sum()).backward()
+        opt.synchronize()
+        if method == "allreduce" and it != 1:  # the scaled mean of the inputs
+            expected = torch.full((1, 2), scale * (SIZE + 1) / 2)
+            assert torch.allclose(model.weight.grad, expected)
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
+    assert opt.iteration == 4 and opt.statistics()["iterations"] == 4
+    opt.finalize()
+    assert _same_on_every_rank_bytes(_flat(model))
+    opt.close()
+
+
+def test_a_refused_start_leaves_the_next_backward_its_own_start(comm: Communicator) -> None:
+    """A start refused in a gradient hook (here a dtype change) left that
+    backward's gradients counted: the next backward started averaging at its
+    first gradient and refused the second as a gradient after its averaging
+    started."""
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "allreduce",
+                               model=model)
+    model.double()
+    opt.zero_grad()
+    with pytest.raises(InvalidArgumentError, match=r"params\[\d\].*float64"):
+        model(torch.ones(1, 2, dtype=torch.float64)).sum().backward()  # before communicating
+    model.float()
+    opt.zero_grad()
+    model(torch.full((1, 2), float(RANK + 1))).sum().backward()
+    opt.step()
+    assert torch.allclose(model.weight.grad, torch.full((1, 2), (SIZE + 1) / 2))
+    assert opt.iteration == 1
+    opt.close()
+
+
+def test_group_size_beyond_the_ranks_is_refused_before_any_communication(
+        comm: Communicator) -> None:
+    """It was raised by the method's set-up, after the parameters were
+    checked across ranks and rank 0's weights broadcast over everyone's."""
+    torch.manual_seed(RANK)
+    model = _mlp(1)
+    before = _flat(model)
+    with pytest.raises(InvalidArgumentError, match="group_size"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "wagma",
+                             model=model, group_size=SIZE + 1)
+    assert np.array_equal(_flat(model), before)  # nothing was broadcast
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "ad_psgd",
+                         model=model).close()  # its fixed pairs fit any size
+    comm.barrier()
+
+
+def test_averager_refuses_a_group_beyond_the_ranks_before_communicating(
+        comm: Communicator) -> None:
+    """Rank 0 alone constructs it: the error comes before the set-up's
+    consistency check and broadcast (before, rank 0 broadcast its weights,
+    or alone timed out in the check, and only then heard of group_size)."""
+    if RANK == 0:
+        w = np.arange(4, dtype=np.float32)
+        started = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match="group_size"):
+            Averager(comm, [w], "wagma", group_size=SIZE + 1)
+        assert time.monotonic() - started < comm.timeout / 2
+    comm.barrier()
+
+
+def test_load_state_dict_after_close_is_refused(comm: Communicator) -> None:
+    """It made the method's collectives again on a closed optimizer, which
+    nothing would ever close (close() is idempotent)."""
+    model = torch.nn.Linear(2, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "solo",
+                               model=model, sync_every=1)
+    state = opt.state_dict()
+    opt.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        opt.load_state_dict(state)
+    assert opt.method.statistics() == {}  # no collective was made
+    comm.barrier()
+
+
+def test_model_buffers_of_any_dtype_and_empty_parameters_start_equal(
+        comm: Communicator) -> None:
+    """A bool mask or int8 buffer made construction fail (after the weights'
+    broadcast), and a dtype whose only parameter is empty failed with
+    "buf: buffer is empty"."""
+    torch.manual_seed(RANK)
+    model = _mlp(1)
+    model.register_buffer("mask", torch.rand(7) > 0.5)
+    model.register_buffer("codes", torch.randint(-100, 100, (2, 3), dtype=torch.int8))
+    model.register_buffer("flag", torch.tensor(RANK % 2 == 0))
+    model.empty = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, "allreduce",
+                               model=model)
+    assert model.mask.dtype == torch.bool and model.codes.shape == (2, 3)
+    for t in (model.mask, model.codes, model.flag):
+        assert _same_on_every_rank_bytes(t.numpy())
+    assert bool(model.flag)  # rank 0's
+    opt.zero_grad()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    assert _same_on_every_rank_bytes(_flat(model))
+    opt.close()
+
+
+def test_bad_arguments_are_refused_before_any_communication() -> None:
+    """One rank constructs alone: every argument error must come before a
+    collective, which would wait for the others until the deadline. A bad
+    ``buckets`` or a ``group_size`` beyond the ranks came after the set-up
+    check's allreduces; ``overlap="no"`` was taken as True and ``comm=None``
+    was a bare AttributeError."""
+    if SIZE == 1:
+        pytest.skip("a lone rank needs two ranks")
+    import wagma_comm
+
+    c = wagma_comm.init(timeout=2.0)
+    if RANK == LAST:
+        model = torch.nn.Linear(2, 1)
+        cases: list[tuple[str, Any, dict[str, Any]]] = [
+            ("buckets", c, {"buckets": "gpu"}),
+            ("buckets", c, {"method": "dpsgd", "buckets": "device"}),
+            ("group_size", c, {"group_size": SIZE + 1}),
+            ("overlap", c, {"overlap": "no"}),
+            ("broadcast", c, {"broadcast": None}),
+            ("comm", None, {}),
+        ]
+        for argument, cm, kw in cases:
+            kw = {"method": "wagma", **kw}
+            with pytest.raises(InvalidArgumentError) as err:
+                DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), cm,
+                                     kw.pop("method"), model=model, **kw)
+            assert err.value.argument == argument
+    WORLD.Barrier()
+    c.barrier()  # nothing was started: the communicator is still in step
+    c.close()
+
+
+def test_leaving_a_with_block_by_an_exception_unhooks_the_model(comm: Communicator) -> None:
+    """__exit__ leaves a collective close() to the caller after an exception,
+    but left the gradient hooks on too: a later backward of the same model
+    (under a new wrapper, say) started this wrapper's averaging."""
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ZeroDivisionError):
+        with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+                                  "allreduce", model=model) as opt:
+            1 / 0
+    model(torch.ones(1, 2)).sum().backward()
+    assert not opt.method.in_flight
+    opt.close()

@@ -244,3 +244,39 @@ def test_device_bucket_keeps_torch_buffers_and_checks_like_the_host_one() -> Non
         b.pack([params[0], np.zeros(3, np.float32), ro])  # bfloat16 was set up
     with pytest.raises(InvalidArgumentError, match=r"params\[0\]"):
         b.pack([torch.zeros(3, 2), h, ro])
+
+
+def test_torch_bucket_refuses_a_sparse_gradient_naming_it() -> None:
+    """copy_ from a sparse tensor (nn.Embedding(sparse=True)'s gradient)
+    raised a bare RuntimeError from inside the backward pass."""
+    specs = layout([(5, 2)], ["float32"], ["emb.weight"])
+    tb = TorchBucket(specs, torch.device("cpu"))
+    sparse = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (5, 2), check_invariants=True)
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\]: parameter 0 \('emb.weight'\) "
+                       r"is a torch.sparse_coo tensor"):
+        tb.pack([sparse])
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\].*sparse"):
+        tb.unpack_grads([_with_grad(sparse)])
+
+
+def _with_grad(grad: torch.Tensor) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(torch.zeros(grad.shape))
+    p.grad = grad
+    return p
+
+
+def test_torch_bucket_leaves_an_empty_dtype_out_and_names_its_argument() -> None:
+    """A dtype whose tensors are all empty has nothing to send; its
+    zero-length buffer went to the collectives, which refuse it ("buf:
+    buffer is empty"). Errors name the bucket's argument (buffers[i] for the
+    set-up broadcast of a model's buffers, not params[i])."""
+    tensors = [torch.ones(3), torch.zeros(0, dtype=torch.float64), torch.ones(2)]
+    specs = layout([tuple(t.shape) for t in tensors], ["float32", "float64", "float32"],
+                   [None] * 3)
+    for on_device in (False, True):
+        tb = TorchBucket(specs, torch.device("cpu"), on_device, argument="buffers")
+        tb.pack(tensors)
+        assert [len(b) for b in tb.buffers()] == [5]
+        tb.unpack(tensors)
+        with pytest.raises(InvalidArgumentError, match=r"buffers\[2\]"):
+            tb.pack([tensors[0], tensors[1], torch.ones(3)])

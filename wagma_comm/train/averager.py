@@ -79,6 +79,7 @@ class Averager:
         self.comm = comm
         self.iteration = check_int("first_iteration", first_iteration, 0)
         check_choice(buckets, self.method)
+        self.method.check_size(comm.size)  # before the set-up communicates
         # Every tensor is checked (and the layout made) before any communication.
         specs = FlatBucket.layout_of(params, names, argument="params")
         device = common_device(params)

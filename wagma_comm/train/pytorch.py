@@ -38,7 +38,7 @@ from .. import dtypes
 from ..errors import InvalidArgumentError
 from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
-from .placement import BUCKET_MEMORY, agree_at_setup
+from .placement import BUCKET_MEMORY, agree_at_setup, check_choice
 from .specs import TensorSpec, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
 
@@ -83,8 +83,9 @@ class TorchBucket:
     packing copies, so nothing here synchronizes)."""
 
     def __init__(self, specs: Sequence[TensorSpec], device: torch.device,
-                 on_device: bool = False) -> None:
+                 on_device: bool = False, *, argument: str = "params") -> None:
         self.specs = tuple(specs)
+        self.argument = argument  # how errors name a tensor: params[3], buffers[0]
         self.device = device
         self.on_device = on_device
         staged = device.type != "cpu" and not on_device
@@ -108,19 +109,27 @@ class TorchBucket:
     def buffers(self) -> list[Any]:
         """The collectives' buffers, one per dtype, in layout order: NumPy
         views of host memory, or the flat tensors of a device bucket."""
+        # A dtype whose tensors are all empty has nothing to send (and the
+        # collectives refuse empty buffers); every rank has the same layout.
         if self.on_device:
-            return list(self._flat.values())
-        return list(self._np.values())
+            return [b for b in self._flat.values() if b.numel()]
+        return [b for b in self._np.values() if b.size]
 
     def _check(self, tensors: Sequence[torch.Tensor | None]) -> None:
         """Each tensor still has its set-up shape, dtype and device: ``copy_``
         would broadcast a shape, cast a dtype (``model.double()``) and move
         across devices without a word."""
         for spec, view, t in zip(self.specs, self._views, tensors):
-            if t is not None and (t.shape != view.shape or t.dtype != view.dtype
-                                  or t.device != self.device):
+            if t is None:
+                continue
+            arg = f"{self.argument}[{spec.index}]"
+            if t.layout != torch.strided:  # copy_ would raise a bare RuntimeError
                 raise InvalidArgumentError(
-                    f"params[{spec.index}]", f"{spec.label()} is now {tuple(t.shape)} "
+                    arg, f"{spec.label()} is a {t.layout} tensor (a sparse gradient: "
+                    "nn.Embedding(sparse=True)?); only dense tensors are averaged")
+            if t.shape != view.shape or t.dtype != view.dtype or t.device != self.device:
+                raise InvalidArgumentError(
+                    arg, f"{spec.label()} is now {tuple(t.shape)} "
                     f"{t.dtype} on {t.device}; set-up saw {spec.describe()} on {self.device}")
 
     @torch.no_grad()
@@ -162,6 +171,35 @@ class TorchBucket:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(view)
+
+
+def _model_extras(model: torch.nn.Module | None, params: Sequence[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], tuple[TensorSpec, ...]]:
+    """What the set-up broadcast sends besides the optimizer's parameters:
+    ``model``'s buffers and the parameters the optimizer does not hold,
+    checked here, before any communication (they were checked after the
+    parameters' broadcast). A dtype the collectives do not take (a bool
+    mask, int8) travels as its bytes: a broadcast only copies them."""
+    if model is None:
+        return [], ()
+    own = {id(p) for p in params}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
+    named += list(model.named_buffers())
+    tensors = []
+    for i, (name, t) in enumerate(named):
+        if t.dtype not in _TORCH_DTYPES:
+            if t.layout != torch.strided or not t.is_contiguous():
+                raise InvalidArgumentError(
+                    f"buffers[{i}]", f"{name!r} is a non-contiguous or sparse {t.dtype} "
+                    "tensor; the set-up broadcast sends such dtypes as the tensor's bytes")
+            t = t.detach().view(-1).view(torch.uint8)  # a view: unpacking writes into it
+        if t.device != (tensors[0].device if tensors else t.device):
+            raise InvalidArgumentError(
+                "model", f"buffers[{i}] ({name!r}) is on {t.device} but buffers[0] "
+                f"({named[0][0]!r}) is on {tensors[0].device}; the set-up broadcast "
+                "needs every buffer on one device")
+        tensors.append(t)
+    return tensors, (_specs(tensors, [n for n, _ in named], "buffers") if tensors else ())
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -206,27 +244,39 @@ class DistributedOptimizer:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError("model", f"expected a torch.nn.Module, got "
                                        f"{type(model).__name__}")
+        for name in ("size", "rank", "allreduce", "broadcast"):
+            if not hasattr(comm, name):
+                raise InvalidArgumentError("comm", f"expected a wagma_comm Communicator "
+                                           f"(wagma_comm.init()), got {type(comm).__name__}")
+        for name, flag in (("overlap", overlap), ("broadcast", broadcast)):
+            if not isinstance(flag, bool):  # a truthy string or None would be taken silently
+                raise InvalidArgumentError(name, f"expected a bool, got {type(flag).__name__}")
         self.optimizer = optimizer
         self.comm = comm
         self.method = make_method(method, **knobs)
+        check_choice(buckets, self.method)  # before check_consistent communicates
         self.params = _unique_params(optimizer)
         if not self.params:
             raise InvalidArgumentError("optimizer", "has no parameters")
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.names = [names.get(id(p)) for p in self.params]
         self.specs = _specs(self.params, self.names, "params")
+        if not any(spec.count for spec in self.specs):
+            raise InvalidArgumentError("optimizer", "its parameters hold no elements")
         device = self.params[0].device
         for spec, p in zip(self.specs, self.params):
             if p.device != device:
                 raise InvalidArgumentError(
                     "optimizer", f"{spec.label()} is on {p.device} but parameter 0 is on "
                     f"{device}; all parameters must share one device")
+        self.method.check_size(comm.size)  # not after the weights' broadcast
+        extras = _model_extras(model, self.params) if broadcast else ([], ())
         check_consistent(comm, self.specs)
         self._on_device = agree_at_setup(comm, buckets, device.type, self.method)
         self._weights = TorchBucket(self.specs, device, self._on_device)
         self._grads = TorchBucket(self.specs, device, self._on_device)
         if broadcast:
-            self._broadcast(model)
+            self._broadcast(*extras)
         self.iteration = 0
         self.last_info: AveragingInfo | None = None
         self.stats = WaitStats()
@@ -243,24 +293,18 @@ class DistributedOptimizer:
         self._hook_trainable()
 
     # -- set-up -----------------------------------------------------------------------
-    def _broadcast(self, model: torch.nn.Module | None) -> None:
-        """Rank 0's weights everywhere: the optimizer's parameters, and with
-        ``model`` its buffers and the parameters the optimizer does not hold
-        (a frozen backbone), which nothing would ever average."""
+    def _broadcast(self, buffers: list[torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+        """Rank 0's weights everywhere: the optimizer's parameters, and
+        ``buffers`` (:func:`_model_extras`: ``model``'s buffers and the
+        parameters the optimizer does not hold, a frozen backbone, which
+        nothing would ever average)."""
         self._weights.pack(self.params)
         for b in self._weights.buffers():
             self.comm.broadcast(b, root=0)
         self._weights.unpack(self.params)
-        if model is None:
-            return
-        own = {id(p) for p in self.params}
-        named = [(n, p) for n, p in model.named_parameters() if id(p) not in own]
-        named += list(model.named_buffers())
-        buffers = [t for _, t in named]
         if buffers:
-            specs = _specs(buffers, [n for n, _ in named], "buffers")
             check_consistent(self.comm, specs)
-            bucket = TorchBucket(specs, buffers[0].device, self._on_device)
+            bucket = TorchBucket(specs, buffers[0].device, self._on_device, argument="buffers")
             bucket.pack(buffers)
             for b in bucket.buffers():
                 self.comm.broadcast(b, root=0)
@@ -295,9 +339,15 @@ class DistributedOptimizer:
             # What step() compares to see the gradients changed meanwhile.
             self._packed_versions = [None if g is None else (id(g), g._version)
                                      for g in tensors]
-        if self.method.communicates(t):
-            bucket.pack(tensors)
-        self.method.start(t, bucket.buffers())
+        try:
+            if self.method.communicates(t):
+                bucket.pack(tensors)
+            self.method.start(t, bucket.buffers())
+        except BaseException:
+            # Nothing started: the next backward counts its gradients afresh
+            # (stale entries would start it at its first gradient hook).
+            self._ready.clear()
+            raise
         self._started = True
 
     def _changed_grad(self) -> int | None:
@@ -316,6 +366,8 @@ class DistributedOptimizer:
         with self._lock:
             if self._closed:
                 return
+            if self.method.averages != MODEL:  # new gradients: the synchronized
+                self._end_unstepped()              # iteration is over (not the weights')
             key = id(p)
             if self._started and self.method.averages != MODEL and key in self._ready:
                 i = next(k for k, q in enumerate(self.params) if q is p)
@@ -338,10 +390,30 @@ class DistributedOptimizer:
         ``step()``), so it overlaps the forward and the backward pass."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._hook_trainable()
-        if self._overlap and self.method.averages == MODEL:
-            with self._lock:
-                if not self._started and not self._closed:
-                    self._start()
+        with self._lock:
+            if self._closed:
+                return
+            self._end_unstepped()
+            if self._overlap and self.method.averages == MODEL and not self._started:
+                self._start()
+
+    def _end_unstepped(self) -> None:
+        """(under _lock) The next iteration begins (``zero_grad()``; for a
+        gradient method also its first new gradient) while the last one was
+        averaged (``synchronize()``, or a ``step()`` whose optimizer step
+        raised) but never stepped: AMP's ``GradScaler.step`` skips the step of
+        an iteration whose gradients overflowed. That iteration is over: its
+        round ran on every rank, so it counts. Left open, the next iteration
+        reused its average instead of averaging its own gradients (replicas
+        diverged silently), or its backward was refused as a second gradient."""
+        info, self._synced = self._synced, None
+        if info is None:
+            return
+        self._started = False
+        self._ready.clear()
+        self.iteration += 1
+        self.last_info = info
+        self.stats.record(info)
 
     def _drain(self) -> None:
         """Finish an iteration that was started (``zero_grad``) but will not be
@@ -351,11 +423,11 @@ class DistributedOptimizer:
         rounds among them) stay on the iterations they belong to."""
         with self._lock:
             started, self._started = self._started, False
-            synced, self._synced = self._synced, None
+            self._synced = None
             self._ready.clear()
             if started:
                 self.iteration += 1
-        if started and synced is None:
+        if self.method.in_flight:  # not when synchronize() or a failed finish ended it
             self.method.finish()
 
     def _end_iteration(self) -> None:
@@ -371,18 +443,25 @@ class DistributedOptimizer:
             if not self._started:
                 self._start()
         changed = self._changed_grad()
-        info = self.method.finish()
-        if changed is not None:  # the round is over on every rank: count it
+        try:
+            info = self.method.finish()
+            if changed is not None:  # the round is over on every rank: count it
+                raise InvalidArgumentError(
+                    "step", f"the gradient of {self.specs[changed].label()} changed after its "
+                    "averaging started (clip_grad_norm_, GradScaler.unscale_ or scaling after "
+                    "backward would be undone); call opt.synchronize() before changing "
+                    "gradients, or wrap with overlap=False")
+            if info.averaged == MODEL:
+                self._weights.unpack(self.params)
+            elif info.averaged is not None:
+                self._grads.unpack_grads(self.params)
+        except BaseException:
+            # The method holds nothing in flight any more (finish() consumed
+            # the round, even when it raised): end the iteration, so a retry
+            # starts afresh and meets the method's or the communicator's own
+            # error, and close() does not wait for a round that is gone.
             self._end_iteration()
-            raise InvalidArgumentError(
-                "step", f"the gradient of {self.specs[changed].label()} changed after its "
-                "averaging started (clip_grad_norm_, GradScaler.unscale_ or scaling after "
-                "backward would be undone); call opt.synchronize() before changing "
-                "gradients, or wrap with overlap=False")
-        if info.averaged == MODEL:
-            self._weights.unpack(self.params)
-        elif info.averaged is not None:
-            self._grads.unpack_grads(self.params)
+            raise
         return info
 
     def synchronize(self) -> AveragingInfo:
@@ -390,7 +469,9 @@ class DistributedOptimizer:
         (averaged gradients in ``.grad``, or averaged weights), so that the
         gradients may be changed before :meth:`step` -- clipping with
         ``clip_grad_norm_``, AMP's ``GradScaler.unscale_`` -- which then only
-        steps the optimizer. Idempotent until that step."""
+        steps the optimizer. Idempotent until that step. An iteration whose
+        step is skipped (``GradScaler`` on overflow) ends at the next
+        ``zero_grad()`` (gradient methods: also at the next gradient)."""
         self._check_open()
         if self._synced is None:
             self._synced = self._average()
@@ -404,9 +485,13 @@ class DistributedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        info = self._synced if self._synced is not None else self._average()
-        self._synced = None
+        if self._synced is None:
+            self._synced = self._average()
+        # Averaged and applied: if the optimizer step raises, this stays as
+        # after synchronize(): a retry only steps, the next zero_grad() or
+        # backward moves on (_end_unstepped).
         self.optimizer.step()
+        info, self._synced = self._synced, None
         self._end_iteration()
         self._hook_trainable()
         self.last_info = info
@@ -447,6 +532,11 @@ class DistributedOptimizer:
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
             self.close()
+        else:  # close() is collective and the other ranks may not come; the
+            # hooks are local: left on, a later backward of this model (under
+            # a new wrapper, say) started this one's collectives.
+            for h in self._hooks.values():
+                h.remove()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -474,6 +564,7 @@ class DistributedOptimizer:
         """Collective: restore the optimizer and round counter, and restart the
         method's collectives at that iteration from the current weights (load
         the model's state first; :func:`load_checkpoint` does)."""
+        self._check_open()  # closed: the method's collectives would be made again, never closed
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise InvalidArgumentError("state_dict", "not a DistributedOptimizer state "
                                        f"(format {_STATE_FORMAT})")

@@ -112,10 +112,14 @@ class WagmaSGD(Method):
         self._handles: list[Any] = []
         self._buffers: list[BucketBuffer] = []  # published, not yet stepped
 
+    def check_size(self, size: int) -> None:
+        if self.group_size is not None:
+            groups_mod.check_group_size(size, self.group_size)
+
     def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         if self.group_size is None:
             self.group_size = default_group_size(comm.size)
-        groups_mod.check_group_size(comm.size, self.group_size)
+        self.check_size(comm.size)
         if self.first_iteration % self.sync_every and self.sync_every != NO_SYNC:
             raise InvalidArgumentError(
                 "first_iteration", f"{self.name} resumes only at a multiple of sync_every="
@@ -198,6 +202,9 @@ class ADPSGD(WagmaSGD):
     def __init__(self) -> None:
         super().__init__(2, NO_SYNC, activation="group", normalization="mean",
                          grace=0.0)
+
+    def check_size(self, size: int) -> None:
+        pass  # pairs, or the one rank alone: any size will do
 
     def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         self.group_size = min(2, comm.size)

@@ -109,6 +109,11 @@ class Method(ABC):
     def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         """Subclass hook: create persistent collectives."""
 
+    def check_size(self, size: int) -> None:
+        """Knob errors that need only the number of ranks (a group larger
+        than the job): the wrappers call this before their set-up
+        communicates (broadcasting the weights), so the error comes first."""
+
     def communicates(self, t: int) -> bool:
         """Whether iteration ``t`` communicates at all (local SGD: every H-th)."""
         return True
