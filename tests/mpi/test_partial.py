@@ -764,3 +764,82 @@ def test_imbalance_benchmark_runs_every_method(tmp_path_factory: Any) -> None:
         assert all(v > 0 for v in out["rates"].values())
         assert out["expected_blocking"] > 0 and out["expected_wait_avoiding"] > 0
         os.remove(path)
+
+
+def test_steps_queued_behind_slow_but_timely_sync_rounds_do_not_time_out(
+        comm: Communicator) -> None:
+    """Rank 0 posts all its steps at once, then flushes; the others step every
+    0.5 s, well within the 2 s timeout, and every round is a sync round. Each
+    round is timely, so nothing may time out. Before session 44 a step queued
+    behind running rounds timed out 2 s after its call ("round 4 was not
+    activated", naming no rank) and broke the collective, and the flush's wait
+    expired 2 + 5 s after its call although its round had just started."""
+    if SIZE == 1:
+        pytest.skip("needs a slow peer")
+    steps, pause = 16, 0.5
+    c = comm.solo_allreduce(np.zeros(2, np.int64), sync_every=1, op="sum", timeout=2.0)
+    got = np.zeros(2, np.int64)
+    final = np.zeros(2, np.int64)
+    if RANK == 0:
+        bufs = [np.ones(2, np.int64) for _ in range(steps)]
+        handles = [c.step(b, async_op=True) for b in bufs]
+        c.flush(final)
+        infos = [h.wait() for h in handles]
+        got += sum(bufs)
+    else:
+        infos = []
+        for _ in range(steps):
+            time.sleep(pause)
+            g = np.ones(2, np.int64)
+            infos.append(c.step(g))
+            got += g
+        c.flush(final)
+    got += final
+    assert [i.round for i in infos] == list(range(steps))
+    assert all(i.synchronized for i in infos)
+    assert np.all(got == steps * SIZE)  # nothing lost or counted twice
+    c.close()
+
+
+def test_a_step_whose_round_is_running_gets_it_when_the_communicator_closes() -> None:
+    """Rank 0's sync round 0 is in flight (waiting for the others), and its
+    step 1 queued behind it, when its communicator starts closing; the
+    engine lets round 0 finish, and the others then step into it. Before
+    session 44 rank 0's step 0 failed with CommunicatorClosedError although
+    the round ran with its gradient and the others applied the result (rank
+    0 alone lost it), and step 1's error said only "communicator closed",
+    naming neither the collective nor the round."""
+    import threading
+
+    if SIZE == 1:
+        pytest.skip("needs a peer that arrives later")
+    c = wagma_comm.init(timeout=30)
+    s = c.solo_allreduce(np.zeros(2, np.int64), sync_every=1, op="sum")
+    g = np.ones(2, np.int64)
+    if RANK == 0:
+        running = s.step(g, async_op=True)
+        until = time.monotonic() + 20
+        while s.statistics()["started_round"] < 0 and time.monotonic() < until:
+            time.sleep(0.01)  # round 0 runs here, waiting for the others
+        queued = s.step(np.ones(2, np.int64), async_op=True)  # not in round 0
+        closer = threading.Thread(target=c.close)
+        closer.start()
+        while s.statistics()["broken"] is None and time.monotonic() < until:
+            time.sleep(0.01)  # the engine has stopped this collective's service
+        assert s.statistics()["broken"] is not None
+        WORLD.Barrier()
+        info = running.wait()
+        with pytest.raises(wagma_comm.CommunicatorClosedError,
+                           match=r"solo_allreduce \(round 1\): communicator closed"):
+            queued.wait()
+        closer.join(30)
+        assert not closer.is_alive()
+        with pytest.warns(RuntimeWarning, match=r"steps \[1\]"):
+            s.close()  # released locally; step 1's input never reached a round
+    else:
+        WORLD.Barrier()  # only once rank 0's communicator is closing
+        info = s.step(g)
+        c.close()
+        s.close()
+    assert info.round == 0 and info.fresh == tuple(range(SIZE))
+    assert np.all(g == SIZE)

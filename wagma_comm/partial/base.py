@@ -222,6 +222,9 @@ class PartialCollective:
         self._ready_started = -1
         self._ready_promised = -1  # app thread: the round a ready publish promised a step to
         self._pending: dict[int, _Call] = {}
+        # When the last round completed here (progress thread): a step queued
+        # behind rounds that were running waits for its activation from then.
+        self._idle_since = time.monotonic()
         self._error: WagmaError | None = None
         self._closed = False
         # progress thread only
@@ -431,17 +434,35 @@ class PartialCollective:
         return False  # a round in flight is an engine Work; between rounds it listens
 
     def fail(self, error: WagmaError) -> None:
+        """The engine stopped this service (it broke, or the communicator is
+        closing): fail the calls still waiting. Except, at a close, the call
+        of the round in flight: the engine lets that round finish (or fail at
+        its deadline), and its result went to the peers, so its step gets it
+        too (``_round_done``) rather than CommunicatorClosedError."""
         self._engine.cancel_posted(self._on_token)
+        work = self._round_work  # an engine Work on host memory (not device.py's)
+        in_flight = (work.seq if isinstance(work, Work) and not work.handle.done
+                     and isinstance(error, CommunicatorClosedError) else None)
         with self._lock:
             self._error = self._error or error
-            calls = list(self._pending.values())
-            self._pending.clear()
+            keep = {t: c for t, c in self._pending.items() if t == in_flight}
+            calls = [c for t, c in self._pending.items() if t != in_flight]
+            self._pending = keep
         if self._final is not None:
             calls.append(self._final)
             self._final = None
         for call in calls:
             if not call.handle.done:
-                call.handle._complete(None, error)
+                call.handle._complete(None, self._named(error, call))
+
+    def _named(self, error: WagmaError, call: _Call) -> WagmaError:
+        """The engine's bare CommunicatorClosedError ("communicator closed"),
+        said of this collective and the call's round; other errors name
+        what failed already."""
+        if type(error) is not CommunicatorClosedError:
+            return error
+        what = f"{call.kind}()" if call.kind != "step" else f"round {call.iteration}"
+        return CommunicatorClosedError(f"{self.kind} ({what}): {error}")
 
     def _break(self, error: WagmaError) -> None:
         """A round failed: this collective cannot go on (messages of the failed
@@ -514,10 +535,19 @@ class PartialCollective:
         return False
 
     def _check_pending_deadlines(self) -> bool:
+        """A step whose round is not activated within the timeout fails,
+        naming who it waits for. Only while no round runs here: a step queued
+        behind a running round (async steps, a slow but timely peer at a sync
+        round) waits for that round, whose own deadline names its missing
+        ranks; its activation wait counts from when the rounds before it were
+        done (``_idle_since``), not from its call."""
+        if self._running:
+            return False
         now = time.monotonic()
+        since = self._idle_since + self.timeout
         with self._lock:
             late = [c for t, c in self._pending.items()
-                    if t > self._started and now > c.deadline]
+                    if t > self._started and now > max(c.deadline, since)]
         for call in late:
             waiting = self._waiting_for(call.iteration)
             self._break(CollectiveTimeoutError(
@@ -692,10 +722,17 @@ class PartialCollective:
             self._thresholds = {q: v for q, v in self._thresholds.items() if q > r}
         else:
             self._forget_routes(r)
+        now = time.monotonic()
+        self._idle_since = now
         with self._lock:
             self.telemetry.record_round(members, fresh, synchronized)
             self._completed = r
             call = self._pending.pop(r, None)
+            # Calls queued behind this round wait for the next one from now
+            # (see _check_pending_deadlines), not from when they were made.
+            queued = [*self._pending.values(), *([self._final] if self._final else [])]
+            for later in queued:
+                later.handle._deadline = max(later.handle._deadline, now + self.timeout)
             self._store(res, wanted=call is not None)
             if call is not None:
                 res.readers += 1
