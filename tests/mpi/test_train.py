@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from wagma_comm import Communicator, InvalidArgumentError
+from wagma_comm import Communicator, CommunicatorClosedError, InvalidArgumentError
 from wagma_comm.runtime.activation import group_step
 from wagma_comm.train import (
     METHODS,
@@ -1042,8 +1042,10 @@ def test_load_state_dict_after_close_is_refused(comm: Communicator) -> None:
                                model=model, sync_every=1)
     state = opt.state_dict()
     opt.close()
-    with pytest.raises(InvalidArgumentError, match="closed"):
+    with pytest.raises(CommunicatorClosedError, match="closed"):
         opt.load_state_dict(state)
+    with pytest.raises(CommunicatorClosedError, match="closed"):  # as a closed Averager
+        opt.step()
     assert opt.method.statistics() == {}  # no collective was made
     comm.barrier()
 

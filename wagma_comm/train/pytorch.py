@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .. import dtypes
-from ..errors import InvalidArgumentError
+from ..errors import CommunicatorClosedError, InvalidArgumentError
 from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .placement import BUCKET_MEMORY, agree_at_setup, check_choice
@@ -539,8 +539,11 @@ class DistributedOptimizer:
                 h.remove()
 
     def _check_open(self) -> None:
+        """Refuse work after :meth:`close`, as a closed Averager or
+        communicator does (it was an InvalidArgumentError before session 44)."""
         if self._closed:
-            raise InvalidArgumentError("optimizer", "DistributedOptimizer is closed")
+            raise CommunicatorClosedError(
+                f"DistributedOptimizer ({self.method.describe()}) is closed")
 
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
