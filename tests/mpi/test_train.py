@@ -1034,6 +1034,16 @@ def test_averager_refuses_a_group_beyond_the_ranks_before_communicating(
     comm.barrier()
 
 
+def test_lbfgs_is_refused_before_communicating(comm: Communicator) -> None:
+    """Its step evaluates the closure several times; step() called it
+    without one and failed with a bare TypeError after set-up."""
+    model = torch.nn.Linear(2, 1)
+    if RANK == 0:  # alone: refused before any communication
+        with pytest.raises(InvalidArgumentError, match="LBFGS"):
+            DistributedOptimizer(torch.optim.LBFGS(model.parameters()), comm, "allreduce")
+    comm.barrier()
+
+
 def test_load_state_dict_after_close_is_refused(comm: Communicator) -> None:
     """It made the method's collectives again on a closed optimizer, which
     nothing would ever close (close() is idempotent)."""

@@ -241,6 +241,13 @@ class DistributedOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidArgumentError("optimizer", f"expected a torch.optim.Optimizer, got "
                                        f"{type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            # Its step re-evaluates the closure (a backward each time) several
+            # times: one averaging per iteration cannot serve it, and step()
+            # without the closure failed with a bare TypeError.
+            raise InvalidArgumentError("optimizer", "LBFGS evaluates its closure several "
+                                       "times per step; wrap an optimizer whose step "
+                                       "takes one gradient (SGD, Adam, ...)")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError("model", f"expected a torch.nn.Module, got "
                                        f"{type(model).__name__}")
