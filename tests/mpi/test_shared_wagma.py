@@ -742,3 +742,109 @@ def test_explicit_shared_memory_is_refused_where_it_cannot_run() -> None:
         assert w.statistics()["path"] == "messages"
         w.close()
         c.close()
+
+
+def _step_then_cancel(c: Any, w: Any, model: np.ndarray) -> tuple[Any, float]:
+    """Step ``w`` on a thread (it waits inside the board), then
+    ``c.close(cancel=True)`` here: the step's outcome, and how long after
+    the cancel it ended."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["step"] = w.step(model)
+        except BaseException as exc:  # reported by the caller's asserts
+            outcome["step"] = exc
+        outcome["ended"] = time.monotonic()
+
+    stepping = threading.Thread(target=run)
+    stepping.start()
+    time.sleep(0.3)  # the step waits inside the board now
+    cancelled = time.monotonic()
+    c.close(cancel=True)
+    stepping.join(30)
+    assert not stepping.is_alive()
+    return outcome["step"], outcome["ended"] - cancelled
+
+
+@needs_peers
+def test_close_cancel_ends_a_step_waiting_for_a_stopped_peers_board_lock() -> None:
+    """The slow rank holds its board lock and never lets go (as a rank
+    stopped while holding it would); rank 0's step waits for it. Rank 0's
+    close(cancel=True) on another thread must end that wait within a nap,
+    as the shared exchange's waits do. Before session 44 the lock was
+    waited for in one call until the collective's timeout (20 s here),
+    which then raised CollectiveTimeoutError, the cancel unseen."""
+    from wagma_comm.transport import shm_lock
+
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1000, timeout=20.0)
+    if RANK == SLOW:
+        assert shm_lock.acquire(w._board.locks[SLOW], time.monotonic() + 5.0)
+    WORLD.Barrier()
+    if RANK == 0:
+        outcome, took = _step_then_cancel(c, w, np.ones(4))
+        assert isinstance(outcome, wagma_comm.CommunicatorClosedError), outcome
+        assert "cancel" in str(outcome) and took < 2.0, (outcome, took)
+        assert w.statistics()["iteration"] == 1
+    WORLD.Barrier()
+    if RANK == SLOW:
+        shm_lock.release(w._board.locks[SLOW])
+    c.close(cancel=True)
+    w.close()  # its communicator is closed: released locally
+
+
+@needs_peers
+def test_close_cancel_ends_a_step_in_its_grace() -> None:
+    """Rank 0's round 1 waits out its grace (its whole compute time, 3 s)
+    for peers that published round 0 and never come. close(cancel=True)
+    must end that wait within a nap; before session 44 the grace ran to
+    its end and the round then completed as if nothing had been cancelled."""
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1000, grace=1.0)
+    w.step(np.full(4, float(RANK)))  # round 0, everyone: starts the compute clock
+    WORLD.Barrier()
+    if RANK == 0:
+        time.sleep(3.0)  # rank 0's compute: its grace
+        outcome, took = _step_then_cancel(c, w, np.ones(4))
+        assert isinstance(outcome, wagma_comm.CommunicatorClosedError), outcome
+        assert took < 1.5, took
+        assert w.statistics()["rounds"] == 1  # round 1 did not run
+    WORLD.Barrier()
+    c.close(cancel=True)
+    w.close()
+
+
+@needs_peers
+@pytest.mark.parametrize("said", [True, False], ids=["holder_said", "holder_unsaid"])
+def test_a_board_lock_timeout_names_the_holder_and_never_a_rank_that_let_go(
+        said: bool) -> None:
+    """Round 0 runs on rank 0, which takes every member's lock and lets go.
+    The slow rank then takes its own lock and keeps it (as a rank stopped
+    there would), having written its rank (``said``) or not yet. Rank 0's
+    next step times out: it names the slow rank, or, when that had not said
+    so, nobody; before session 44 it named rank 0 itself, the last rank
+    that had held the lock."""
+    from wagma_comm.transport import shm_lock
+
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1000, timeout=1.0)
+    if RANK == 0:
+        w.step(np.ones(4))
+    WORLD.Barrier()
+    if RANK == SLOW:
+        if said:
+            w._hold(SLOW, 0, time.monotonic() + 5.0)
+        else:
+            assert shm_lock.acquire(w._board.locks[SLOW], time.monotonic() + 5.0)
+    WORLD.Barrier()
+    if RANK == 0:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            w.step(np.ones(4))
+        assert info.value.ranks == ((SLOW,) if said else ()), info.value
+        assert f"rank {SLOW}'s board slot" in str(info.value), info.value
+    WORLD.Barrier()
+    if RANK == SLOW:
+        shm_lock.release(w._board.locks[SLOW])
+    c.close(cancel=True)
+    w.close()

@@ -64,6 +64,51 @@ def test_a_holder_that_died_is_reported_to_the_next_holder_and_the_lock_works_ag
     assert _in_child(lambda: shm_lock.acquire(lock_address, time.monotonic() + 1)) == 0
 
 
+class _Cancelled(Exception):
+    pass
+
+
+def test_a_contended_wait_calls_its_check_which_can_end_it(lock_address: int) -> None:
+    """A wait for a holder that stopped must let a cancel end it long before
+    the deadline: ``check`` is called every CHECK_EVERY_S while waiting
+    (never when the lock is free), what it raises ends the wait without the
+    lock, and a check that never raises leaves the deadline as it was."""
+    calls: list[float] = []
+    assert shm_lock.acquire(lock_address, time.monotonic() + 1, lambda: calls.append(1))
+    shm_lock.release(lock_address)
+    assert calls == []  # uncontended: no slices, no checks
+    shm_lock.acquire(lock_address, time.monotonic() + 1)
+
+    def cancelled() -> bool:
+        start = time.monotonic()
+        seen = []
+
+        def check() -> None:
+            seen.append(time.monotonic())
+            if seen[-1] - start > 0.1:
+                raise _Cancelled()
+        try:
+            shm_lock.acquire(lock_address, start + 30, check)
+        except _Cancelled:
+            return 0.1 < time.monotonic() - start < 1.0 and len(seen) >= 3
+        return False
+
+    def times_out_with_a_check() -> bool:
+        start, seen = time.monotonic(), []
+        try:
+            shm_lock.acquire(lock_address, start + 0.2, lambda: seen.append(1))
+        except shm_lock.LockTimeout:
+            return 0.15 < time.monotonic() - start < 5 and len(seen) >= 3
+        return False
+
+    assert _in_child(cancelled) == 0
+    assert _in_child(times_out_with_a_check) == 0
+    shm_lock.release(lock_address)
+    # The cancelled child never held it: this process takes it normally.
+    assert shm_lock.acquire(lock_address, time.monotonic() + 1) is True
+    shm_lock.release(lock_address)
+
+
 def _times_out(address: int) -> bool:
     try:
         shm_lock.acquire(address, time.monotonic() + 0.05)

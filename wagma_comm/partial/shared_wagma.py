@@ -379,6 +379,7 @@ class SharedWaitAvoidingGroupAllreduce:
         deadline = start + self.grace * self._compute_s
         while now < deadline and worth_waiting():
             time.sleep(min(GRACE_POLL_S, deadline - now))
+            self._check_cancel()
             now = time.monotonic()
         return now - start
 
@@ -424,7 +425,7 @@ class SharedWaitAvoidingGroupAllreduce:
             try:
                 self._write_published(data, t)
             finally:
-                shm_lock.release(self._board.locks[self.rank])
+                self._release([self.rank])
 
     def _write_published(self, data: np.ndarray, t: int | None) -> None:
         """(this rank's lock held) ``data`` is this rank's model of round
@@ -486,11 +487,13 @@ class SharedWaitAvoidingGroupAllreduce:
         instead of reading the torn model as data."""
         words, lock = self._board.words[m], self._board.locks[m]
         try:
-            survived = shm_lock.acquire(lock, deadline)
+            survived = shm_lock.acquire(lock, deadline, self._check_cancel)
         except shm_lock.LockTimeout:
-            holder = int(words[HOLDER])
+            holder = int(words[HOLDER])  # -1: the holder has not written it yet
+            who, ranks = ((f"rank {holder}", [holder]) if 0 <= holder < self.size
+                          else ("a rank that had not yet written its rank", []))
             raise self._break(CollectiveTimeoutError(
-                self.kind, t, [holder], f"rank {holder} held rank {m}'s board slot for "
+                self.kind, t, ranks, f"{who} held rank {m}'s board slot for "
                 f"more than {self.timeout:g} s")) from None
         if not survived or words[DIED] >= 0:
             if words[DIED] < 0:
@@ -501,6 +504,16 @@ class SharedWaitAvoidingGroupAllreduce:
             who, ranks = (f"rank {dead}", [dead]) if dead < self.size else ("a rank", [])
             raise self._break(RankFailedError(self.kind, t, ranks, f"{who} died holding {slot}"))
         words[HOLDER] = self.rank
+
+    def _check_cancel(self) -> None:
+        """(between waits for a peer) Raise close(cancel=True)'s error: the
+        communicator's shared exchange carries it from before close takes
+        any lock, so a step waiting for a lock held by a peer that stopped,
+        or in its grace, ends within a nap instead of at its deadline."""
+        shared = self._comm._shared
+        error = None if shared is None else shared.cancelled()
+        if error is not None:
+            raise self._break(error)
 
     def _died_holding(self, holder: int) -> int:
         """Who died holding a lock (for the DIED word, never negative): the
@@ -514,8 +527,14 @@ class SharedWaitAvoidingGroupAllreduce:
         return dead[0] if dead else self.size
 
     def _release(self, held: list[int]) -> None:
+        """Let go of ``held``'s locks, first clearing their HOLDER words: a
+        peer timing out on one later names its holder, or nobody while the
+        holder has not yet written its rank, never the last rank that held
+        it (often the peer itself)."""
+        words, locks = self._board.words, self._board.locks
         for m in held:
-            shm_lock.release(self._board.locks[m])
+            words[m][HOLDER] = -1
+            shm_lock.release(locks[m])
 
     # -- blocking rounds ------------------------------------------------------------
     def _sync_round(self, t: int, buf: Any, data: np.ndarray, started: float,

@@ -487,6 +487,11 @@ class SharedExchange:
         neither close nor its drain waits for a call's deadline."""
         self._cancel = error
 
+    def cancelled(self) -> WagmaError | None:
+        """A fresh copy of close(cancel=True)'s error once it was given, else
+        None: what other waits on this host (the WAGMA board's) raise too."""
+        return None if self._cancel is None else self._cancelled()
+
     def _cancelled(self) -> WagmaError:
         """A fresh copy of the cancel's error (threads may raise it at once)."""
         error = self._cancel

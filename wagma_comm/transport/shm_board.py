@@ -11,8 +11,11 @@ One block per rank, each guarded by its own robust process-shared lock
 (transport/shm_lock.py)::
 
     lock      LOCK_BYTES
-    words     8 x int64: HOLDER (rank holding the lock), PUBLISHED (round of
-              the published model, -1: the initial model), RESULT (the newest
+    words     8 x int64: HOLDER (rank holding the lock, for a waiter's
+              timeout to name; -1: nobody, or a holder that has not yet
+              written it: each holder clears it before letting go),
+              PUBLISHED (round of the published model, -1: the initial
+              model), RESULT (the newest
               round whose result is in this block, -1: none), ACTIVATOR,
               DIED (a rank that died holding the lock, -1: none; set by the
               holder after it, so that every later holder is told too)

@@ -20,9 +20,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import time
+from typing import Callable
 
 LOCK_BYTES = 64
 """Room for one pthread_mutex_t (40 bytes on x86-64 glibc, 48 on aarch64)."""
+
+CHECK_EVERY_S = 0.01
+"""How long a contended wait sleeps in the kernel between calls of its
+``check`` (:func:`acquire`): a cancel is seen within this long."""
 
 _CLOCK_MONOTONIC = 1  # Linux
 _PTHREAD_PROCESS_SHARED = 1
@@ -76,19 +82,31 @@ def init_lock(address: int) -> None:
         raise OSError(rc, f"pthread_mutex_init: {errno.errorcode.get(rc, rc)}")
 
 
-def acquire(address: int, deadline: float) -> bool:
+def acquire(address: int, deadline: float,
+            check: Callable[[], None] | None = None) -> bool:
     """Lock the mutex at ``address``; ``deadline`` on ``time.monotonic()``.
     Returns False where the previous holder's process ended while holding
     it: the lock is then held (and usable again), but what it guarded may be
     half written, and the caller must make sure that nobody after it reads
-    that as data (only it is told). Raises LockTimeout."""
+    that as data (only it is told). Raises LockTimeout. While it waits
+    (only then), ``check`` is called every CHECK_EVERY_S: what it raises
+    ends the wait without the lock (a cancel must not wait for a holder
+    that stopped until the deadline)."""
     assert _LIBC is not None, UNAVAILABLE
     rc = _LIBC.pthread_mutex_trylock(address)  # the common, uncontended case
     if rc == errno.EBUSY:
-        # time.monotonic() is CLOCK_MONOTONIC on Linux, which clocklock takes.
-        whole = int(deadline)
-        when = _Timespec(whole, int((deadline - whole) * 1e9))
-        rc = _LIBC.pthread_mutex_clocklock(address, _CLOCK_MONOTONIC, ctypes.byref(when))
+        when = _Timespec()
+        while True:
+            until = deadline if check is None else min(deadline,
+                                                       time.monotonic() + CHECK_EVERY_S)
+            # time.monotonic() is CLOCK_MONOTONIC on Linux, which clocklock takes.
+            whole = int(until)
+            when.tv_sec, when.tv_nsec = whole, min(int((until - whole) * 1e9), 999_999_999)
+            rc = _LIBC.pthread_mutex_clocklock(address, _CLOCK_MONOTONIC, ctypes.byref(when))
+            if rc != errno.ETIMEDOUT or until >= deadline:
+                break
+            assert check is not None
+            check()
     if rc == 0:
         return True
     if rc == errno.ETIMEDOUT:
@@ -106,5 +124,5 @@ def release(address: int) -> None:
     _LIBC.pthread_mutex_unlock(address)
 
 
-__all__ = ["LOCK_BYTES", "UNAVAILABLE", "LockTimeout", "init_lock",
+__all__ = ["LOCK_BYTES", "CHECK_EVERY_S", "UNAVAILABLE", "LockTimeout", "init_lock",
            "acquire", "release"]
