@@ -1128,3 +1128,155 @@ def test_leaving_a_with_block_by_an_exception_unhooks_the_model(comm: Communicat
     model(torch.ones(1, 2)).sum().backward()
     assert not opt.method.in_flight
     opt.close()
+
+
+# -- methods' telemetry and knobs, checkpoints (session 44, train review) ---------------
+
+
+@pytest.mark.parametrize("method", ["solo", "majority", "wagma"])
+def test_statistics_name_a_broken_second_bucket(method: str) -> None:
+    """statistics()["collective"] was the first bucket's collective's only:
+    with the float64 bucket's collective broken (its sync round timed out
+    waiting for LAST), it said broken=None."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    import wagma_comm
+    from wagma_comm.errors import CollectiveTimeoutError
+    from wagma_comm.train import make_method
+
+    c = wagma_comm.init(timeout=2.0)
+    m = make_method(method, sync_every=1)
+    bufs = [np.zeros(3, np.float32), np.zeros(2, np.float64)]
+    m.setup(c, bufs)
+    if RANK != LAST:  # LAST never steps the second bucket's collective
+        with pytest.raises(CollectiveTimeoutError):
+            m._colls[1].step(bufs[1])  # type: ignore[attr-defined]
+    stats = m.statistics()
+    if RANK != LAST:
+        assert stats["broken"] and "(round 0)" in stats["broken"]
+    else:
+        assert stats["broken"] is None
+    per = stats["per_bucket"]
+    assert len(per) == 2 and per[0]["broken"] is None and per[1]["broken"] == stats["broken"]
+    assert stats["path"] == per[0]["path"] and stats["steps"] == per[0]["steps"]
+    WORLD.Barrier()
+    c.close(cancel=True)
+
+
+@pytest.mark.parametrize("method,knobs", [("majority", {"seed": RANK}),
+                                          ("wagma", {"normalization": "mean" if RANK else
+                                                     "wagma"}),
+                                          ("wagma", {"grace": 0.25 if RANK else 0.5})])
+def test_ranks_with_different_seeds_normalizations_or_graces_are_refused(
+        comm: Communicator, method: str, knobs: dict[str, Any]) -> None:
+    """describe() left these knobs out, so the set-up's check that every rank
+    runs the same method passed: a different seed or normalization surfaced
+    only after the weights' broadcast, as the partial collective's
+    MismatchError (not the InvalidArgumentError naming ``method`` that
+    docs/training.md promises), and a different grace not at all."""
+    if SIZE == 1:
+        pytest.skip("a disagreement needs two ranks")
+    x = np.ones(3, np.float32)
+    with pytest.raises(InvalidArgumentError, match="different methods or knobs") as err:
+        Averager(comm, [x], method, **knobs)
+    assert err.value.argument == "method"
+    Averager(comm, [x], "allreduce").close()  # still in step
+
+
+def test_a_checkpoint_one_rank_cannot_write_is_refused_on_every_rank(
+        comm: Communicator, rank_dir: str) -> None:
+    """Rank 0's save failed (its target is a directory) with a bare OSError,
+    leaving its ``.tmp`` file behind, while the others waited in the barrier
+    until the communicator's timeout broke it."""
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    path = os.path.join(rank_dir, "ckpt-{rank}.pt")
+    if RANK == 0:
+        os.makedirs(path.replace("{rank}", "0"))  # no file can take its place
+    t0 = time.monotonic()
+    with pytest.raises(InvalidArgumentError) as err:
+        save_checkpoint(path, model, opt)
+    assert err.value.argument == "path" and time.monotonic() - t0 < 30
+    assert ("could not write" if RANK == 0 else "rank [0]") in str(err.value)
+    if RANK == 0:
+        assert os.listdir(rank_dir) == ["ckpt-0.pt"]  # the directory; no .tmp left
+        os.rmdir(path.replace("{rank}", "0"))
+    save_checkpoint(path, model, opt)  # the communicator is still in step
+    assert load_checkpoint(path, model, opt) == {}
+    opt.close()
+
+
+def test_a_checkpoint_missing_or_unreadable_on_one_rank_loads_nowhere(
+        comm: Communicator, rank_dir: str) -> None:
+    """A rank whose file was missing (or no checkpoint) raised alone, before
+    the optimizer's collective restart, while the others loaded theirs (the
+    replicas then resumed from different states) or waited for it."""
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    path = os.path.join(rank_dir, "ckpt-{rank}.pt")
+    save_checkpoint(path, model, opt)
+    saved = _flat(model)
+    _trajectory(comm, "local_sgd", {}, range(2, 4), model, opt)
+    now = _flat(model)
+    mine = path.replace("{rank}", str(RANK))
+    for damage in ("missing", "garbage"):
+        if RANK == 0:
+            os.replace(mine, mine + ".bak")
+            if damage == "garbage":
+                with open(mine, "wb") as f:
+                    f.write(b"not a checkpoint")
+        with pytest.raises(InvalidArgumentError) as err:
+            load_checkpoint(path, model, opt)
+        assert err.value.argument == "path"
+        if RANK != 0:
+            assert "rank [0]" in str(err.value) or "ranks [0]" in str(err.value)
+        assert np.array_equal(_flat(model), now) and opt.iteration == 4  # nothing loaded
+        if RANK == 0:
+            os.replace(mine + ".bak", mine)
+    load_checkpoint(path, model, opt)
+    assert np.array_equal(_flat(model), saved) and opt.iteration == 2
+    opt.close()
+
+
+def test_checkpoints_of_different_iterations_are_refused_on_every_rank(
+        comm: Communicator, rank_dir: str) -> None:
+    """Each rank loaded what its path held: LAST at iteration 4, the others
+    at 2, and local SGD went on with its ranks' iteration counters apart."""
+    if SIZE == 1:
+        pytest.skip("a disagreement needs two ranks")
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    save_checkpoint(os.path.join(rank_dir, "a-{rank}.pt"), model, opt)
+    _trajectory(comm, "local_sgd", {}, range(2, 4), model, opt)
+    save_checkpoint(os.path.join(rank_dir, "b-{rank}.pt"), model, opt)
+    now = _flat(model)
+    which = "b" if RANK == LAST else "a"
+    with pytest.raises(InvalidArgumentError, match="different iterations") as err:
+        load_checkpoint(os.path.join(rank_dir, which + "-{rank}.pt"), model, opt)
+    assert err.value.argument == "path" and f"rank {LAST}: 4" in str(err.value)
+    assert SIZE == 2 or f"majority: [{LAST}]" in str(err.value)
+    assert np.array_equal(_flat(model), now) and opt.iteration == 4
+    opt.close()
+
+
+def test_a_model_that_refuses_its_checkpoint_on_one_rank_is_named_on_every_rank(
+        comm: Communicator, rank_dir: str) -> None:
+    """LAST's model refused its state (a bare RuntimeError there) while the
+    other ranks went on to load the optimizer state and restart the method:
+    the replicas resumed at different iterations."""
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    path = os.path.join(rank_dir, "ckpt-{rank}.pt")
+    save_checkpoint(path, model, opt)
+    _trajectory(comm, "local_sgd", {}, range(2, 4), model, opt)
+    if RANK == LAST:  # a checkpoint of another architecture
+        mine = path.replace("{rank}", str(RANK))
+        state = torch.load(mine, weights_only=True)
+        state["model"]["weight"] = torch.zeros(2, 3)
+        torch.save(state, mine)
+    with pytest.raises(InvalidArgumentError) as err:
+        load_checkpoint(path, model, opt)
+    assert err.value.argument == "model"
+    assert ("size mismatch" if RANK == LAST else f"[{LAST}]") in str(err.value)
+    assert opt.iteration == 4  # the optimizer was not touched on any rank
+    opt.close()

@@ -280,3 +280,56 @@ def test_torch_bucket_leaves_an_empty_dtype_out_and_names_its_argument() -> None
         tb.unpack(tensors)
         with pytest.raises(InvalidArgumentError, match=r"buffers\[2\]"):
             tb.pack([tensors[0], tensors[1], torch.ones(3)])
+
+
+class _ForeignCuda:
+    """A CUDA tensor behind DLPack alone, as a CuPy or JAX array would be:
+    not a torch tensor, so DeviceBucket.unpack must wait for its copies."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def __dlpack__(self, **kw: object) -> object:
+        return self.tensor.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.tensor.__dlpack_device__()
+
+
+def test_device_bucket_unpack_takes_an_iterator_once() -> None:
+    """unpack walked ``tensors`` twice (the copies, then the check for
+    targets that are no torch tensors): with a generator the second walk
+    was empty, so on CUDA the stream was not synchronized and a foreign
+    framework could read its arrays before the copies landed. On the CPU
+    the generator is unpacked like a list."""
+    from wagma_comm.train.bucket import DeviceBucket
+
+    b = DeviceBucket([torch.zeros(4), torch.zeros(2)])
+    for f in b.buffers():
+        f.fill_(3)
+    out = [torch.zeros(4), torch.zeros(2)]
+    b.unpack(t for t in out)
+    assert [t.tolist() for t in out] == [[3.0] * 4, [3.0] * 2]
+    if not torch.cuda.is_available():
+        return  # the synchronization itself needs a GPU
+    dev = torch.device("cuda", 0)
+    targets = [torch.zeros(1 << 20, device=dev)]
+    b = DeviceBucket(targets)
+    b.buffers()[0].fill_(7)
+    torch.cuda.synchronize(dev)
+    torch.cuda._sleep(1 << 30)  # a spin kernel ahead of the copies (about half a second)
+    b.unpack(_ForeignCuda(t) for t in targets)
+    assert torch.cuda.current_stream(dev).query(), "unpack returned before its copies"
+    assert targets[0][:3].tolist() == [7.0] * 3
+
+
+def test_names_that_are_no_sequence_of_names_are_refused_naming_names() -> None:
+    """A string was taken as a list of one-letter names (``names="ab"`` for
+    two tensors named 'a' and 'b'), and a number raised a bare TypeError."""
+    params = [np.zeros(2, np.float32), np.zeros(3, np.float32)]
+    for bad in ("ab", b"ab", 2):
+        with pytest.raises(InvalidArgumentError, match="names: expected a sequence") as info:
+            FlatBucket(params, bad)  # type: ignore[arg-type]
+        assert info.value.argument == "names"
+    assert [s.name for s in FlatBucket(params, ("a", None)).specs] == ["a", None]

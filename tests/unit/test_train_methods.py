@@ -118,3 +118,37 @@ def test_a_gossip_mpi_comm_that_is_no_communicator_is_refused_when_made() -> Non
     from mpi4py import MPI
 
     assert make_method("dpsgd", mpi_comm=MPI.COMM_WORLD).averages == MODEL
+
+
+def test_describe_shows_every_knob_that_changes_the_results() -> None:
+    """describe() is what the set-up compares across ranks (placement.py):
+    majority's seed, WAGMA's normalization and grace were left out, so ranks
+    that passed different ones were not refused (different seeds draw
+    different activators; different normalizations mix models differently)."""
+    base = {"wagma": {}, "majority": {}, "local_sgd": {}, "solo": {}}
+    changed = [("majority", {"seed": 3}), ("wagma", {"normalization": "mean"}),
+               ("wagma", {"grace": 0.25}), ("wagma", {"activation": "group"}),
+               ("wagma", {"round_start": "iteration"}), ("wagma", {"group_size": 4}),
+               ("wagma", {"sync_every": 5}), ("majority", {"sync_every": 5}),
+               ("solo", {"sync_every": 5}), ("local_sgd", {"sync_every": 5})]
+    for name, knobs in changed:
+        other = make_method(name, **knobs).describe()
+        assert other != make_method(name, **base[name]).describe(), (name, knobs)
+    # Knobs a method ignores, and equal values spelt differently, describe alike.
+    assert make_method("solo", seed=3).describe() == make_method("solo").describe()
+    assert make_method("wagma", grace=0).describe() == make_method("wagma", grace=0.0).describe()
+    assert "grace 0.5" in make_method("wagma").describe()
+    assert "seed 3" in make_method("majority", seed=3).describe()
+    assert "mean normalization" in make_method("wagma", normalization="mean").describe()
+
+
+def test_a_default_group_size_describes_as_the_size_it_stands_for() -> None:
+    """describe() said "groups of None" until set-up, so a rank that left
+    group_size out and one that passed the same default explicitly were
+    refused as running different knobs (the wrappers compare describe()
+    after check_size(), before set-up)."""
+    implicit, explicit = make_method("wagma"), make_method("wagma", group_size=2)
+    for m in (implicit, explicit):
+        m.check_size(4)
+    assert implicit.describe() == explicit.describe()
+    assert "groups of 2" in implicit.describe()

@@ -334,7 +334,10 @@ class DeviceBucket(FlatBucket):
     def unpack(self, tensors: Sequence[Any]) -> None:
         """As :meth:`FlatBucket.unpack`. The copies run on torch's current
         stream, which a CuPy or JAX kernel on its own stream would not wait
-        for: with any target not a torch tensor, wait for them here."""
+        for: with any target not a torch tensor, wait for them here.
+        ``tensors`` is walked twice, so an iterator is listed first (the
+        second walk found it empty and never waited)."""
+        tensors = self._check_list(tensors, self.argument)
         super().unpack(tensors)
         if self.device.type == "cuda":
             import torch

@@ -101,6 +101,10 @@ def check_names(names: Any, n: int) -> list[str | None]:
     """``names`` is None or a sequence of n strings (or None entries)."""
     if names is None:
         return [None] * n
+    if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
+        # A string is iterable, but as one-letter names.
+        raise InvalidArgumentError("names", f"expected a sequence of names (str or None), "
+                                   f"got {type(names).__name__}")
     names = list(names)
     if len(names) != n:
         raise InvalidArgumentError("names", f"expected {n} names (one per tensor), got "

@@ -15,7 +15,15 @@ from ... import groups as groups_mod
 from ...errors import InvalidArgumentError
 from ...partial.wagma import ACTIVATION_SCOPES, NORMALIZATIONS, check_grace
 from ...runtime.activation import is_sync_round
-from .base import MODEL, AveragingInfo, BucketBuffer, Method, check_int, clone
+from .base import (
+    MODEL,
+    AveragingInfo,
+    BucketBuffer,
+    Method,
+    bucket_statistics,
+    check_int,
+    clone,
+)
 
 ROUND_STARTS = ("gradient", "iteration", "publish")
 # A sync period no run reaches: a wait-avoiding collective with no sync rounds.
@@ -113,8 +121,9 @@ class WagmaSGD(Method):
         self._buffers: list[BucketBuffer] = []  # published, not yet stepped
 
     def check_size(self, size: int) -> None:
-        if self.group_size is not None:
-            groups_mod.check_group_size(size, self.group_size)
+        if self.group_size is None:  # so describe() says what a default stands for
+            self.group_size = default_group_size(size)
+        groups_mod.check_group_size(size, self.group_size)
 
     def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         if self.group_size is None:
@@ -181,11 +190,15 @@ class WagmaSGD(Method):
         return None
 
     def statistics(self) -> dict[str, Any]:
-        return self._colls[0].statistics() if self._colls else {}
+        """Every bucket's collective (:func:`~.base.bucket_statistics`)."""
+        return bucket_statistics(self._colls)
 
     def describe(self) -> str:
+        """Name and every knob that changes the result (the set-up compares
+        it across ranks); ``grace`` as a float, so 0 and 0.0 read alike."""
         return (f"{self.name} (groups of {self.group_size}, sync every {self.sync_every}, "
-                f"{self.activation} activation, rounds start at the {self.round_start})")
+                f"{self.activation} activation, {self.normalization} normalization, "
+                f"grace {float(self.grace)!r}, rounds start at the {self.round_start})")
 
 
 class ADPSGD(WagmaSGD):

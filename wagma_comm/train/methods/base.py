@@ -71,6 +71,28 @@ class AveragingInfo:
     staleness: int = 0
 
 
+def bucket_statistics(colls: Sequence[Any]) -> dict[str, Any]:
+    """The telemetry of one persistent collective per bucket, as one dict.
+
+    The top-level keys are the first bucket's (every bucket steps in every
+    iteration, so its counters count the iterations; summing them would
+    count each iteration once per dtype), except two that must not hide
+    another bucket: ``broken`` is the first ``broken`` that is not None, in
+    bucket order (a broken second bucket breaks the method), and ``max_staleness`` the
+    largest over the buckets (as :attr:`AveragingInfo.staleness`).
+    ``per_bucket`` lists every bucket's own statistics, in bucket order.
+    ``{}`` before set-up."""
+    per = [c.statistics() for c in colls]
+    if not per:
+        return {}
+    out = dict(per[0])
+    out["broken"] = next((s.get("broken") for s in per if s.get("broken") is not None), None)
+    if all("max_staleness" in s for s in per):
+        out["max_staleness"] = max(s["max_staleness"] for s in per)
+    out["per_bucket"] = per
+    return out
+
+
 def check_int(argument: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(argument, f"expected an int, got {type(value).__name__}")

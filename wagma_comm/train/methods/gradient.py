@@ -17,6 +17,7 @@ from .base import (
     BucketBuffer,
     Method,
     any_bit_set,
+    bucket_statistics,
     check_int,
     zeros_like,
 )
@@ -104,7 +105,11 @@ class EagerSGD(Method):
         return None
 
     def statistics(self) -> dict[str, Any]:
-        return self._colls[0].statistics() if self._colls else {}
+        """Every bucket's collective (:func:`~.base.bucket_statistics`)."""
+        return bucket_statistics(self._colls)
 
     def describe(self) -> str:
-        return f"{self.name} (sync every {self.sync_every})"
+        """Name and every knob that changes the result (the set-up compares
+        it across ranks): majority's seed picks each round's activator."""
+        seed = f", seed {self.seed}" if self.name == "majority" else ""
+        return f"{self.name} (sync every {self.sync_every}{seed})"
