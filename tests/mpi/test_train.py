@@ -1034,6 +1034,23 @@ def test_averager_refuses_a_group_beyond_the_ranks_before_communicating(
     comm.barrier()
 
 
+def test_averager_takes_generators_of_tensors(comm: Communicator) -> None:
+    """The constructor, average() and finalize() read their lists more than
+    once: a generator gave "params: expected at least one tensor, got none"
+    at construction, and average() found it used up at finish."""
+    w = [np.full(3, RANK + 1.0, np.float32), np.full(2, 2.0 * (RANK + 1), np.float64)]
+    avg = Averager(comm, (t for t in w), "allreduce", broadcast=False)
+    try:
+        grads = [x.copy() for x in w]
+        out = avg.average((p for p in w), (g for g in grads))
+        mean = sum(r + 1.0 for r in range(SIZE)) / SIZE
+        np.testing.assert_allclose(out.grads[0], np.full(3, mean, np.float32))
+        np.testing.assert_allclose(grads[1], np.full(2, 2.0 * mean))  # in place
+        avg.finalize((p for p in w), (g for g in grads))
+    finally:
+        avg.close()
+
+
 def test_lbfgs_is_refused_before_communicating(comm: Communicator) -> None:
     """Its step evaluates the closure several times; step() called it
     without one and failed with a bare TypeError after set-up."""

@@ -36,6 +36,15 @@ from .stats import WaitStats
 __all__ = ["Averager", "Averaged"]
 
 
+def _listed(tensors: Any, argument: str) -> Any:
+    """``tensors`` as a list or tuple (None stays None): a generator would be
+    used up by its first reading, and the next (the layout after the check,
+    finish after start) would find no tensors."""
+    if tensors is None or isinstance(tensors, (list, tuple)):
+        return tensors
+    return FlatBucket._check_list(tensors, argument)
+
+
 @dataclass(frozen=True)
 class Averaged:
     """What :meth:`Averager.average` / :meth:`Averager.finalize` return.
@@ -75,6 +84,7 @@ class Averager:
     def __init__(self, comm: Any, params: Sequence[Any], method: str | Method = "wagma", *,
                  names: Sequence[str | None] | None = None, broadcast: bool = True,
                  first_iteration: int = 0, buckets: str = "auto", **knobs: Any) -> None:
+        params = _listed(params, "params")  # walked several times below
         self.method = make_method(method, **knobs)
         self.comm = comm
         self.iteration = check_int("first_iteration", first_iteration, 0)
@@ -138,7 +148,7 @@ class Averager:
         the inputs are read now and may change before :meth:`finish`."""
         self._check_open()
         t = self.iteration
-        target = self._target(params, grads)  # checked every iteration, alike
+        target = self._target(_listed(params, "params"), _listed(grads, "grads"))  # checked every iteration, alike
         if self.method.communicates(t):
             self._work.pack(target)
         self.method.start(t, self._work.buffers())
@@ -155,6 +165,7 @@ class Averager:
     def average(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
                 copy: bool = False) -> Averaged:
         """:meth:`start` then :meth:`finish`: one iteration's averaging."""
+        params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
         self.start(params, grads)
         return self.finish(params, grads, copy=copy)
 
@@ -194,6 +205,7 @@ class Averager:
         becomes the global mean (bitwise identical). Gradient methods: what
         missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
         self._check_open()
+        params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
         self._drain()
         if self.method.averages == MODEL:
             self._work.pack(self._whole_model(params))
