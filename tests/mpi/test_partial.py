@@ -9,6 +9,7 @@ application thread the test would hang and fail at its timeout.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Any
 
@@ -843,3 +844,215 @@ def test_a_step_whose_round_is_running_gets_it_when_the_communicator_closes() ->
         s.close()
     assert info.round == 0 and info.fresh == tuple(range(SIZE))
     assert np.all(g == SIZE)
+
+
+# -- breaks racing calls ------------------------------------------------------------
+class _Breaker:
+    """A service that makes the transport fail under the progress thread, as
+    MPI reporting an error would, once ``go`` is set (``entered``: its first
+    turn has begun, so every service before it has had that turn). The
+    engine breaks and stops every service, the collective under test too."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def progress(self) -> bool:
+        self.entered.set()
+        if not self.go.wait(30):
+            return False
+        raise wagma_comm.TransportError("test: the transport failed")
+
+    def fail(self, error: Exception) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+
+class _GatedLock:
+    """A collective's own lock, except that ``thread`` waits for ``go`` before
+    taking it (``reached`` says it got there): stops that thread between a
+    call's checks and its registration."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self.thread: threading.Thread | None = None
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def __enter__(self) -> Any:
+        if threading.current_thread() is self.thread and not self.go.is_set():
+            self.reached.set()
+            self.go.wait(30)
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._lock.__exit__(*exc)
+
+
+def _call_on_a_thread(call: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """``call()`` (which returns a Handle, or blocks) on a thread of its own;
+    the outcome: {"error": exception} or {"result": value}, and "ended"
+    (monotonic)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            got = call()
+            outcome["result"] = got.wait() if isinstance(got, wagma_comm.Handle) else got
+        except BaseException as exc:  # noqa: BLE001 -- the test reads it
+            outcome["error"] = exc
+        outcome["ended"] = time.monotonic()
+    return threading.Thread(target=run), outcome
+
+
+@pytest.mark.parametrize("call", ["step", "flush"])
+def test_a_call_checked_before_a_break_and_registered_after_it_fails_at_once(
+        call: str) -> None:
+    """A step() or flush() passes its check that the collective is usable;
+    the collective then breaks (the transport fails) before the call takes
+    the lock to register. The call must fail at once, saying the collective
+    is broken. Before session 44 it registered after fail() had run, nobody
+    failed it, and its wait ended its deadline plus 5 s later in the vague
+    "treat the communicator as broken" timeout."""
+    c = wagma_comm.init(timeout=30)
+    s = c.solo_allreduce(np.zeros(2), sync_every=100, op="sum", timeout=1.0)
+    gate = _GatedLock(s._lock)
+    s._lock = gate  # type: ignore[assignment]
+    if call == "step":
+        thread, outcome = _call_on_a_thread(lambda: s.step(np.ones(2), async_op=True))
+    else:
+        thread, outcome = _call_on_a_thread(lambda: s.flush(np.ones(2)))
+    gate.thread = thread
+    thread.start()
+    assert gate.reached.wait(30)  # checked, not registered
+    breaker = _Breaker()
+    breaker.go.set()
+    c._engine.add_service(breaker)
+    until = time.monotonic() + 20
+    while s.statistics()["broken"] is None and time.monotonic() < until:
+        time.sleep(0.001)
+    assert "test: the transport failed" in str(s.statistics()["broken"])
+    start = time.monotonic()
+    gate.go.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, wagma_comm.CommunicatorClosedError), outcome
+    assert "solo_allreduce is broken: test: the transport failed" in str(error)
+    assert outcome["ended"] - start < 3.0
+    s.close()  # released locally
+    c.close()
+    WORLD.Barrier()
+
+
+def test_a_flush_queued_when_the_engine_breaks_fails_at_once() -> None:
+    """A flush() is queued for the progress thread and the transport fails
+    before the thread takes it from the queue. The flush must fail at once
+    with the transport's error. Before session 44 fail() looked only at the
+    call already taken, the service was gone, and the flush's wait ended
+    its deadline plus 5 s later in the vague "treat the communicator as
+    broken" timeout."""
+    c = wagma_comm.init(timeout=30)
+    s = c.solo_allreduce(np.zeros(2), sync_every=100, op="sum", timeout=1.0)
+    breaker = _Breaker()
+    c._engine.add_service(breaker)
+    assert breaker.entered.wait(30)  # the progress thread is held after this turn's poll
+    thread, outcome = _call_on_a_thread(lambda: s.flush(np.ones(2)))
+    thread.start()
+    until = time.monotonic() + 20
+    while not s._inbox and time.monotonic() < until:
+        time.sleep(0.001)
+    assert s._inbox  # queued, not yet taken
+    start = time.monotonic()
+    breaker.go.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, wagma_comm.TransportError), outcome
+    assert "test: the transport failed" in str(error)
+    assert outcome["ended"] - start < 3.0
+    s.close()
+    c.close()
+    WORLD.Barrier()
+
+
+def test_close_fails_at_once_when_the_engine_breaks_while_it_drains_tokens() -> None:
+    """Rank 0's close() has passed its arrival check and waits for the
+    peers' last tokens (their closed marks), which the peers cannot send yet:
+    each holds its own engine right after its close() sent its arrival. Rank
+    0's transport then fails. Its close() must fail at once with that error;
+    before session 44 fail() did not look at a close() in that phase, and it
+    ended at the drain's deadline plus 5 s in the vague "treat the
+    communicator as broken" timeout."""
+    if SIZE == 1:
+        pytest.skip("the drain waits for a peer's last token")
+    c = wagma_comm.init(timeout=30)
+    s = c.solo_allreduce(np.zeros(2), sync_every=100, op="sum", timeout=5.0)
+    engine = c._engine
+    if RANK == 0:
+        WORLD.Barrier()  # every peer's close() has sent its arrival and is held
+        closer, outcome = _call_on_a_thread(s.close)
+        closer.start()
+        until = time.monotonic() + 20
+        while s._closing is None and time.monotonic() < until:
+            time.sleep(0.001)
+        draining = s._closing is not None
+        breaker = _Breaker()
+        breaker.go.set()
+        start = time.monotonic()
+        engine.add_service(breaker)
+        closer.join(30)
+        WORLD.Barrier()  # the peers go on
+        assert draining and not closer.is_alive()
+        error = outcome.get("error")
+        assert isinstance(error, wagma_comm.TransportError), outcome
+        assert "test: the transport failed" in str(error)
+        assert outcome["ended"] - start < 3.0
+    else:
+        sent = engine.statistics()["messages_sent"]
+        closer, outcome = _call_on_a_thread(s.close)
+        closer.start()
+        until = time.monotonic() + 20
+        while (engine.statistics()["messages_sent"] < sent + SIZE - 1
+               and time.monotonic() < until):
+            time.sleep(0.001)
+        with engine._driver:  # the arrival is sent; nothing else happens here
+            WORLD.Barrier()
+            WORLD.Barrier()
+        closer.join(30)
+        assert not closer.is_alive() and "error" not in outcome, outcome
+    c.close()
+    WORLD.Barrier()
+
+
+def test_every_group_round_counts_once_in_the_activation_counters(
+        comm: Communicator) -> None:
+    """Per-group activation: rank 0 steps rounds 0 and 1 alone, so its
+    round-1 partner ``b`` learns of round 1 (a token) while nobody of its
+    round-0 group has arrived; ``b`` then activates round 0 itself, as its
+    root. Every group round must count once, in ``activated_here``,
+    ``activated_elsewhere`` or ``ready_starts``; before session 44 such a
+    round counted nowhere (``b``: 1 for its 2 group rounds)."""
+    from wagma_comm.groups import group_of
+
+    if SIZE < 3:
+        pytest.skip("rank 0's round-1 partner must be outside its round-0 group")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(2), 2, sync_every=3, activation="group")
+    b = next(r for r in group_of(0, SIZE, 2, 1) if r != 0)
+    assert b not in group_of(0, SIZE, 2, 0)
+    if RANK == 0:
+        for _ in range(2):
+            w.step(np.ones(2))  # run by the partners' progress threads
+    WORLD.Barrier()
+    if RANK != 0:
+        for _ in range(2):
+            w.step(np.ones(2))
+    assert w.step(np.ones(2)).synchronized  # round 2
+    stats = w.statistics()
+    assert stats["rounds"] - stats["sync_rounds"] == 2, stats
+    counted = stats["activated_here"] + stats["activated_elsewhere"] + stats["ready_starts"]
+    assert counted == 2, stats
+    w.flush()
+    w.close()

@@ -176,6 +176,42 @@ def test_close_with_a_wait_avoiding_collective_active(cancel: bool) -> None:
     WORLD.Barrier()
 
 
+def test_leaving_a_with_block_by_an_exception_stops_the_partial_collective() -> None:
+    """An exception leaves a majority allreduce's ``with`` block on rank 0
+    with a step outstanding (round 0 waits for its activator, which never
+    steps). The step fails at once with CommunicatorClosedError naming the
+    collective and round, and rank 0 stops listening for activation tokens.
+    Before session 44 leaving the block only removed the service: the step
+    waited until its deadline plus 5 s (the vague "treat the communicator as
+    broken" timeout), and the token receive stayed posted, polled at every
+    turn of the engine, taking and forwarding the others' tokens."""
+    from wagma_comm.runtime.activation import majority_activator
+
+    if SIZE == 1:
+        pytest.skip("needs an activator other than rank 0")
+    c = wagma_comm.init(timeout=30)
+    seed = next(s for s in range(1000) if majority_activator(s, 0, SIZE) != 0)
+    m = c.majority_allreduce(np.zeros(2), sync_every=100, seed=seed, timeout=2.0)
+    if RANK == 0:
+        with pytest.raises(ValueError, match="the application failed"):
+            with m:
+                handle = m.step(np.ones(2), async_op=True)
+                raise ValueError("the application failed")
+        start = time.monotonic()
+        with pytest.raises(wagma_comm.CommunicatorClosedError,
+                           match=r"majority_allreduce \(round 0\): .*with block"):
+            handle.wait(timeout=10)
+        assert time.monotonic() - start < 3.0
+        listening = [cb for run, cb in list(c._engine._owners)
+                     if run is None and cb == m._on_token]
+        assert not listening  # its receive was cancelled
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="closed"):
+            m.step(np.ones(2))
+    WORLD.Barrier()
+    c.close(cancel=True)
+    WORLD.Barrier()
+
+
 # -- interpreter exit without close() ------------------------------------------------
 EXIT_SCRIPT = r'''
 import atexit, sys

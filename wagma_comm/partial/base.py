@@ -264,8 +264,10 @@ class PartialCollective:
         the round's result. Returns a RoundInfo (or a Handle whose ``wait()``
         returns it)."""
         data, owner = self._check_buf(buf)
-        self._check_usable()
         with self._lock:
+            # Under the lock: a break after the check would fail no call
+            # registered after it (fail() takes the lock).
+            self._check_usable()
             t = self._app_round
             self._app_round += 1
             self._contribute(data, t)
@@ -348,7 +350,11 @@ class PartialCollective:
         else:
             with self._lock:
                 self._closed = True
-            self._engine.remove_service(self)
+            # Stop listening for tokens and fail the calls still outstanding,
+            # on the progress thread (the listener's receive can be
+            # cancelled only there).
+            self._inbox.append(("abandon", None))
+            self._engine.wake()
 
     # -- application-side helpers ----------------------------------------------------
     def _check_buf(self, buf: Any) -> tuple[np.ndarray, Any]:
@@ -380,9 +386,14 @@ class PartialCollective:
         return _Call(kind, t, data, owner, handle, deadline, staleness)
 
     def _final_call(self, kind: str, data: np.ndarray | None, owner: Any) -> _Call:
+        """Queue a flush or close for the progress thread. Checked and queued
+        under the lock, as fail() takes the calls still queued under it: a
+        break either comes first (raised here) or fails the call."""
         with self._lock:
+            if self._error is not None:
+                raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
             call = self._new_call(kind, self._app_round, data, owner, 0)
-        self._inbox.append(("final", call))
+            self._inbox.append(("final", call))
         self._engine.wake()
         return call
 
@@ -423,6 +434,10 @@ class PartialCollective:
                 self._start_ready(arg)
             elif what == "final":
                 self._final = arg
+            elif what == "abandon":  # __exit__ by an exception
+                self._break(CommunicatorClosedError(
+                    "closed when an exception left its with block"))
+                return True
         if self._closing is not None:
             return did | self._check_drain_deadline()
         if self._error is None:
@@ -448,9 +463,14 @@ class PartialCollective:
             keep = {t: c for t, c in self._pending.items() if t == in_flight}
             calls = [c for t, c in self._pending.items() if t != in_flight]
             self._pending = keep
+            # A flush or close still queued: progress() will never take it.
+            calls += [arg for what, arg in list(self._inbox) if what == "final"]
         if self._final is not None:
             calls.append(self._final)
             self._final = None
+        if self._closing is not None:  # a close() waiting for the peers' last tokens
+            calls.append(self._closing)
+            self._closing = None
         for call in calls:
             if not call.handle.done:
                 call.handle._complete(None, self._named(error, call))
@@ -874,6 +894,7 @@ class PartialCollective:
             for q in range(self._activated + 1, r):
                 if not self._synchronous(q):
                     self._roots[q] = self.rank
+                    self.telemetry.activated_here += 1  # as its activator (RoundInfo)
                     self._route(q, None, self.rank)
             self._activated = r
 
