@@ -128,8 +128,8 @@ def test_close_waits_for_a_call_whose_timeout_exceeds_the_communicators() -> Non
     10 s: it then ends in its own named timeout. Before, close() gave up after
     the communicator's timeout + 10 s and returned silently, the call still in
     flight and the progress thread running (about 12 s on rank 0)."""
-    if SIZE == 1:
-        pytest.skip("a collective nobody joins needs two ranks")
+    if SIZE != 2:  # 12 s, the same at any rank count: kept off `make test`'s budget
+        pytest.skip("runs at 2 ranks (a collective nobody joins; 12 s)")
     c = wagma_comm.init(timeout=1.0)
     c.barrier(timeout=30)
     if RANK == 0:

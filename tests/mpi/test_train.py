@@ -1155,8 +1155,8 @@ def test_statistics_name_a_broken_second_bucket(method: str) -> None:
     """statistics()["collective"] was the first bucket's collective's only:
     with the float64 bucket's collective broken (its sync round timed out
     waiting for LAST), it said broken=None."""
-    if SIZE == 1:
-        pytest.skip("a missing rank needs two ranks")
+    if SIZE != 2:  # 2 s a case, the same at any rank count: kept off `make test`'s budget
+        pytest.skip("runs at 2 ranks (a missing rank)")
     import wagma_comm
     from wagma_comm.errors import CollectiveTimeoutError
     from wagma_comm.train import make_method
