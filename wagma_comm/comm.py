@@ -58,7 +58,9 @@ Override per communicator (``init(timeout=...)``), per call (``timeout=``) or
 with the ``WAGMA_TIMEOUT`` environment variable (seconds)."""
 
 
-def _check_timeout(timeout: Any, argument: str = "timeout") -> float:
+def check_timeout(timeout: Any, argument: str = "timeout") -> float:
+    """A deadline in seconds: a finite number > 0 (inf or NaN would make a
+    wait endless); a bool or a string is refused, naming ``argument``."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise InvalidArgumentError(argument, f"expected seconds as a number, got {timeout!r}")
     if not timeout > 0 or timeout != timeout or timeout == float("inf"):
@@ -194,7 +196,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout: float | None = None,
                  debug_mode: bool | None = None) -> None:
-        self._timeout = _check_timeout(_default_timeout(timeout))
+        self._timeout = check_timeout(_default_timeout(timeout))
         self._transport = transport
         self._debug = _env_flag("WAGMA_DEBUG") if debug_mode is None else debug_mode
         liveness = (Liveness(transport.rank, transport.identities)
@@ -640,7 +642,7 @@ class Communicator:
             raise CommunicatorClosedError(f"communicator is broken: {self._engine.broken}")
 
     def _call_timeout(self, timeout: Any) -> float:
-        return self._timeout if timeout is None else _check_timeout(timeout)
+        return self._timeout if timeout is None else check_timeout(timeout)
 
     @staticmethod
     def _check_algorithm(algorithm: Any, known: tuple[str, ...], default: Any) -> str:
@@ -657,7 +659,7 @@ class Communicator:
         self._check_open()
         check_op(op)
         buffer = _host_buffer(buf)
-        deadline_s = self._timeout if timeout is None else _check_timeout(timeout)
+        deadline_s = self._timeout if timeout is None else check_timeout(timeout)
         # What the arguments compile to depends on nothing else: a training
         # loop or a benchmark repeats the same call, so it is worked out once
         # (the small-message path costs its Python, docs/benchmarks.md).
@@ -1117,7 +1119,7 @@ def _default_timeout(timeout: float | None) -> float:
     except ValueError:
         raise InvalidArgumentError(
             "WAGMA_TIMEOUT", f"expected seconds as a number, got {env_timeout!r}") from None
-    return _check_timeout(value, "WAGMA_TIMEOUT")
+    return check_timeout(value, "WAGMA_TIMEOUT")
 
 
 def init(timeout: float | None = None, *, mpi_comm: Any = None,
@@ -1130,7 +1132,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     and of ``init`` itself: a rank that never calls it makes the others raise
     CollectiveTimeoutError instead of waiting forever.
     """
-    deadline_s = _check_timeout(_default_timeout(timeout))  # before any MPI call
+    deadline_s = check_timeout(_default_timeout(timeout))  # before any MPI call
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI

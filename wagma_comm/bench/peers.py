@@ -62,7 +62,6 @@ a partition): call it on every rank, in the same order, like the collective.
 from __future__ import annotations
 
 import datetime
-import math
 import numbers
 import socket
 import time
@@ -71,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .. import dtypes
+from ..comm import check_timeout
 from ..errors import (
     BufferError,
     CollectiveTimeoutError,
@@ -92,16 +92,6 @@ DEFAULT_TIMEOUT_S = 300.0
 
 _MPI_DTYPES = ("float32", "float64", "int32", "int64", "uint8")
 _MPI_OPS = {"sum": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
-
-
-def _check_timeout(timeout: Any) -> float:
-    """A finite number of seconds > 0: the peers' waits must end (inf would
-    make mpi-nb wait forever and overflow torch's timedelta)."""
-    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-            or not math.isfinite(timeout) or not timeout > 0):
-        raise InvalidArgumentError(
-            "timeout", f"must be a finite number of seconds > 0, got {timeout!r}")
-    return float(timeout)
 
 
 def parse_vs(text: str | Sequence[str]) -> list[str]:
@@ -260,7 +250,7 @@ class MPIPeer(Peer):
         super().__init__()
         self.name = "mpi-nb" if nonblocking else "mpi"
         self._nb = nonblocking
-        self._timeout = _check_timeout(timeout)
+        self._timeout = check_timeout(timeout)
         self._comm: MPI.Comm | None = world.Dup()
         self._groups: dict[tuple[tuple[int, ...], ...], MPI.Comm] = {}
         self._round = 0  # nonblocking calls started, timed out or not
@@ -593,7 +583,7 @@ def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
     wanted = parse_vs(names)
     if device not in ("cpu", "cuda"):
         raise InvalidArgumentError("device", f"expected 'cpu' or 'cuda', got {device!r}")
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout)
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD if world is None else world

@@ -57,7 +57,7 @@ from ..errors import (
 )
 from ..kernels import host as host_kernels
 from ..runtime.activation import group_step, is_sync_round
-from ..runtime.handle import Handle, _check_wait_timeout
+from ..runtime.handle import Handle, check_wait_timeout
 from ..schedule import algorithms
 from ..transport import shm_lock
 from ..transport.shm_board import ACTIVATOR, DIED, HOLDER, PUBLISHED, RESULT, Board
@@ -135,7 +135,7 @@ class _Continued:
         # for the round's outcome it broke the collective while the round ran on.
         given = timeout
         if timeout is not None:
-            timeout = _check_wait_timeout(timeout)
+            timeout = check_wait_timeout(timeout)
         error = None
         try:
             self._inner.wait(timeout)

@@ -106,7 +106,7 @@ class Handle:
         """
         given = timeout
         if timeout is not None:
-            timeout = _check_wait_timeout(timeout)
+            timeout = check_wait_timeout(timeout)
         if self._drive is not None and not self._done:
             start = time.monotonic()
             self._drive(self, self._deadline if timeout is None else start + timeout)
@@ -146,7 +146,7 @@ class Handle:
         return f"<Handle {self.collective} round={self.round} {state}>"
 
 
-def _check_wait_timeout(timeout: Any) -> float | None:
+def check_wait_timeout(timeout: Any) -> float | None:
     """``wait``'s timeout as seconds, or None for no limit of its own. Checked
     first: a string failed deep inside with a bare TypeError, NaN waited out
     the collective's whole deadline and 1e300 overflowed the lock wait."""

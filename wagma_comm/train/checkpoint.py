@@ -19,7 +19,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .methods import GRADIENTS
 from .pytorch import DistributedOptimizer
-from .specs import _allgather_ints, _minority
+from .specs import allgather_ints, minority
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path"]
 
@@ -46,7 +46,7 @@ def _agree(comm: Any, error: BaseException | None, argument: str, what: str,
     full disk, a missing file) is an InvalidArgumentError naming ``argument``
     on every rank instead of an error on one rank and a timeout that breaks
     the communicator on the others. Returns every rank's ``mark``."""
-    table = _allgather_ints(comm, [int(error is not None), mark], 2)
+    table = allgather_ints(comm, [int(error is not None), mark], 2)
     failed = [r for r in range(comm.size) if table[r, 0]]
     if error is not None:
         if isinstance(error, InvalidArgumentError):
@@ -128,8 +128,8 @@ def load_checkpoint(path: str, model: torch.nn.Module,
                             iteration)).encode())
     marks = _agree(comm, error, "path", f"read the checkpoint {file!r}", mark)
     if len(set(marks)) > 1:
-        _, odd = _minority(marks)
-        iterations = [int(i) for i in _allgather_ints(comm, [iteration], 1)[:, 0]]
+        _, odd = minority(marks)
+        iterations = [int(i) for i in allgather_ints(comm, [iteration], 1)[:, 0]]
         per = ", ".join(f"rank {r}: {i}" for r, i in enumerate(iterations))
         raise InvalidArgumentError(
             "path", f"the ranks' checkpoints were saved at different iterations, or by "

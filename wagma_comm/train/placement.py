@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .methods import Method
-from .specs import _allgather_ints, _minority
+from .specs import allgather_ints, minority
 
 __all__ = ["BUCKET_MEMORY", "agree_at_setup", "nccl_usable"]
 
@@ -62,8 +62,8 @@ def agree_at_setup(comm: Any, choice: str, device_type: str | None, method: Meth
     vote = np.array([code, -code, -int(can), mark, -mark], dtype=np.int64)
     comm.allreduce(vote, "max")
     if vote[3] != -vote[4]:
-        marks = [int(m) for m in _allgather_ints(comm, [mark], 1)[:, 0]]
-        _, odd = _minority(marks)
+        marks = [int(m) for m in allgather_ints(comm, [mark], 1)[:, 0]]
+        _, odd = minority(marks)
         raise InvalidArgumentError("method", f"the ranks set up different methods or knobs: "
                                    f"this rank runs {described}; ranks that differ from the "
                                    f"majority: {odd or list(range(comm.size))}")

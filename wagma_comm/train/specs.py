@@ -129,7 +129,7 @@ def _signature(spec: TensorSpec) -> int:
     return h & _MASK62
 
 
-def _allgather_ints(comm: Any, row: Sequence[int], width: int) -> np.ndarray:
+def allgather_ints(comm: Any, row: Sequence[int], width: int) -> np.ndarray:
     """Every rank's ``row`` (``width`` int64s): a sum-allreduce of a P x width
     matrix that is zero outside this rank's row, so it is exact."""
     table = np.zeros((comm.size, width), dtype=np.int64)
@@ -138,7 +138,7 @@ def _allgather_ints(comm: Any, row: Sequence[int], width: int) -> np.ndarray:
     return table
 
 
-def _minority(values: Sequence[Any]) -> tuple[Any, list[int]]:
+def minority(values: Sequence[Any]) -> tuple[Any, list[int]]:
     """The most common value and the ranks that differ from it (ties: lowest
     value wins, so every rank picks the same)."""
     counts: dict[Any, int] = {}
@@ -173,9 +173,9 @@ def check_consistent(comm: Any, specs: Sequence[TensorSpec]) -> None:
     """
     if comm.size == 1:
         return
-    counts = [int(c) for c in _allgather_ints(comm, [len(specs)], 1)[:, 0]]
+    counts = [int(c) for c in allgather_ints(comm, [len(specs)], 1)[:, 0]]
     if len(set(counts)) > 1:
-        common, odd = _minority(counts)
+        common, odd = minority(counts)
         first = min(counts)
         mine = specs[first].label() if first < len(specs) else None
         per = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
@@ -196,12 +196,12 @@ def check_consistent(comm: Any, specs: Sequence[TensorSpec]) -> None:
     i = int(differ[0])
     spec = specs[i]
     row = [_DTYPE_CODES[spec.dtype], len(spec.shape), *spec.shape[:_MAX_DIMS]]
-    table = _allgather_ints(comm, row, 2 + _MAX_DIMS)
+    table = allgather_ints(comm, row, 2 + _MAX_DIMS)
     views = [_describe_row(table[r]) for r in range(comm.size)]
     if len(set(views)) == 1:  # dims beyond _MAX_DIMS differ: fall back to hashes
         views = [f"{v} (hash {h})" for v, h in
-                 zip(views, _allgather_ints(comm, [int(sig[i])], 1)[:, 0])]
-    _, odd = _minority(views)
+                 zip(views, allgather_ints(comm, [int(sig[i])], 1)[:, 0])]
+    _, odd = minority(views)
     groups = "; ".join(f"{v} on ranks {rs}" for v, rs in _ranks_by(views).items())
     more = f" ({differ.size - 1} more parameters differ after it)" if differ.size > 1 else ""
     raise ParameterMismatchError(
