@@ -64,7 +64,9 @@ class CollectiveError(WagmaError, RuntimeError):
 
     Attributes: ``collective`` (name), ``round`` (the collective's sequence number
     on this communicator; -1, and left out of the message, for a call that is
-    none, such as init()), ``ranks`` (the ranks blamed: missing or mismatching).
+    none, such as init()), ``ranks`` (the ranks blamed: missing or mismatching),
+    ``detail`` (the message without the collective, round and ranks, so that a
+    layer renaming the error for its own round does not repeat them).
     """
 
     def __init__(
@@ -77,11 +79,16 @@ class CollectiveError(WagmaError, RuntimeError):
         self.collective = collective
         self.round = round
         self.ranks: tuple[int, ...] = tuple(sorted(set(ranks)))
-        # A negative round: no collective of the communicator (init(), set-up).
-        where = collective if round < 0 else f"{collective} (round {round})"
+        self.detail = message
         super().__init__(
-            f"{where}: {message}" + (f"; ranks: {list(self.ranks)}" if self.ranks else "")
+            f"{self.where}: {message}" + (f"; ranks: {list(self.ranks)}" if self.ranks else "")
         )
+
+    @property
+    def where(self) -> str:
+        """The collective and its round (a negative round: no collective of
+        the communicator, such as init() or a set-up, so none is shown)."""
+        return self.collective if self.round < 0 else f"{self.collective} (round {self.round})"
 
 
 class CollectiveTimeoutError(CollectiveError, TimeoutError):

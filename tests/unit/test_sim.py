@@ -1461,3 +1461,20 @@ def test_plan_refuses_sync_periods_longer_than_the_simulated_steps() -> None:
     assert e.value.argument == "sync_periods"
     candidates, chosen = plan(w, GPU_CLUSTER, [2, 4], [5, 20])
     assert len(candidates) == 4 and chosen.sync_every in (5, 20)
+
+
+def test_native_algorithm_leaves_partial_methods_out_or_refuses_them(capsys) -> None:
+    # Was: every allreduce method simulated, then InvalidArgumentError at wagma.
+    assert _cli(["sim", "--ranks", "4", "--steps", "2", "--algorithm", "native"]) == 0
+    out = capsys.readouterr().out
+    assert "left out" in out and " allreduce " in out
+    assert not any(line.split()[0] == "wagma" for line in out.splitlines()
+                   if line and not line.startswith("#"))
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["sim", "--ranks", "4", "--steps", "2", "--algorithm", "native",
+              "--methods", "allreduce,solo"])
+    assert e.value.argument == "methods" and "solo" in str(e.value)
+    with pytest.raises(InvalidArgumentError) as e:
+        _cli(["plan", "--ranks", "4", "--steps", "2", "--algorithm", "native"])
+    assert e.value.argument == "algorithm"
+    assert capsys.readouterr().out == ""  # both refused before simulating

@@ -496,10 +496,12 @@ class SharedWaitAvoidingGroupAllreduce:
                 self.kind, t, ranks, f"{who} held rank {m}'s board slot for "
                 f"more than {self.timeout:g} s")) from None
         if not survived or words[DIED] >= 0:
-            if words[DIED] < 0:
-                words[DIED] = self._died_holding(int(words[HOLDER]))
-            dead = int(words[DIED])
-            shm_lock.release(lock)
+            try:  # the liveness check may fail too: never keep the lock then
+                if words[DIED] < 0:
+                    words[DIED] = self._died_holding(int(words[HOLDER]))
+                dead = int(words[DIED])
+            finally:
+                shm_lock.release(lock)
             slot = "its own board slot" if dead == m else f"rank {m}'s board slot"
             who, ranks = (f"rank {dead}", [dead]) if dead < self.size else ("a rank", [])
             raise self._break(RankFailedError(self.kind, t, ranks, f"{who} died holding {slot}"))
@@ -540,13 +542,15 @@ class SharedWaitAvoidingGroupAllreduce:
     def _sync_round(self, t: int, buf: Any, data: np.ndarray, started: float,
                     counted: bool = True) -> _Continued:
         """The global mean of every rank's ``buf`` (``data``: its host array),
-        then published here."""
+        then published here. ``counted``: a step's sync round; else flush(buf)'s
+        extra mean, which keeps the round number and is named for the flush."""
+        what = "synchronous round" if counted else "flush(buf)'s global mean"
         inner = self._comm.allreduce(buf, "avg", async_op=True,
                                      algorithm=self._sync_algorithm, timeout=self.timeout)
 
         def then(error: BaseException | None) -> RoundInfo:
             if error is not None:
-                raise self._named(error, t, "synchronous round")
+                raise self._named(error, t, what)
             with self._use:
                 if not self._board.closed:  # else nobody reads this rank's slot any more
                     # A flush's mean is this rank's model after its last step,
@@ -603,7 +607,8 @@ class SharedWaitAvoidingGroupAllreduce:
     def _named(self, error: BaseException, t: int, what: str) -> WagmaError:
         """The communicator's error, renamed for this collective's round."""
         if isinstance(error, (CollectiveTimeoutError, RankFailedError)):
-            error = type(error)(self.kind, t, error.ranks, f"{what}: {error}")
+            error = type(error)(self.kind, t, error.ranks,
+                                f"{what}: {error.where}: {error.detail}")
         elif not isinstance(error, WagmaError):
             error = WagmaError(str(error))
         return self._break(error)

@@ -21,7 +21,7 @@ from ..bench.plot import human_bytes
 from ..errors import InvalidArgumentError
 from .collectives import Collectives
 from .cost import CostModel
-from .training import METHODS, Workload, simulate
+from .training import METHODS, PARTIAL, Workload, simulate
 
 VALIDATION_TOLERANCE = 0.20  # simulated it/s within 20% of measured (issue #8)
 
@@ -59,9 +59,13 @@ def add_parsers(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _workload_options(p)
     p.add_argument("--ranks", type=_int_list, default=[64], help="job sizes, e.g. 64,256,1024")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--sync-every", type=int, default=10)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--group-size", type=int, default=8,
+                   help="WAGMA group size, capped at the job size (0: half the ranks)")
+    p.add_argument("--sync-every", type=int, default=10,
+                   help="WAGMA's global average period in iterations")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated (default: all of {','.join(METHODS)}, less "
+                        "the partial collectives under --algorithm native)")
     p.add_argument("--json", default=None, help="write the results as JSON")
     p.add_argument("--plot", default=None, help="PNG of it/s against ranks (several --ranks)")
     p.add_argument("--calibrate", action="store_true",
@@ -98,12 +102,28 @@ def _elements(args: argparse.Namespace) -> int:
     return int(mb * 1e6) // args.itemsize
 
 
-def _methods(text: str) -> list[str]:
+def _methods(text: str | None, algorithm: str | None) -> list[str]:
+    """The methods to simulate. Partial collectives never run native rounds,
+    so ``--algorithm native`` leaves them out of the default list (saying so)
+    and refuses them when ``--methods`` names them, before simulating: they
+    used to fail after the allreduce methods had run."""
+    native = algorithm == "native"
+    if text is None:
+        methods = [m for m in METHODS if not (native and m in PARTIAL)]
+        if native:
+            print(f"# --algorithm native: {', '.join(PARTIAL)} left out (partial "
+                  "collectives never run native rounds)")
+        return methods
     methods = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise InvalidArgumentError("methods", f"unknown {unknown}; expected some of "
                                    f"{', '.join(METHODS)}")
+    partial = [m for m in methods if m in PARTIAL]
+    if native and partial:
+        raise InvalidArgumentError("methods", f"{partial} never run native rounds (their "
+                                   "results must be bitwise identical on every member); "
+                                   "drop them or --algorithm native")
     return methods
 
 
@@ -143,8 +163,8 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.validate:
         _check_outputs(args, plot=False)
         return _validate(args, cost)
-    methods = _methods(args.methods)
     _check_outputs(args, plot=True)
+    methods = _methods(args.methods, args.algorithm)
     out = []
     for size in args.ranks:
         w = Workload(size, _elements(args), args.compute, args.imbalance, args.steps,
@@ -311,6 +331,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from .plan import plan
 
     cost = CostModel.load(args.cost)
+    if args.algorithm == "native":  # checked before minutes of simulation
+        raise InvalidArgumentError("algorithm", "wagma plan simulates WAGMA-SGD, whose "
+                                   "partial collectives never run native rounds")
     w = Workload(args.ranks, _elements(args), args.compute, args.imbalance, args.steps,
                  0, 10, args.itemsize, args.seed, args.algorithm)
     t0 = time.perf_counter()
