@@ -36,6 +36,7 @@ from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
 from .runtime.shared import ALGORITHM as SHARED_MEMORY
 from .runtime.shared import SharedCall, SharedExchange, describe
+from .runtime.watch import watchdog_seconds
 from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
 from .transport.base import CHANNEL_DATA, CHANNEL_SETUP, Transport
@@ -1133,6 +1134,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     CollectiveTimeoutError instead of waiting forever.
     """
     deadline_s = check_timeout(_default_timeout(timeout))  # before any MPI call
+    watchdog_seconds()  # likewise: the engine reads it after the transport's set-up
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI

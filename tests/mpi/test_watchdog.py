@@ -45,3 +45,21 @@ def test_watchdog_names_the_late_ranks_then_the_collective_completes(
     finally:
         WORLD.Barrier()
         c.close()
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "nan"])
+def test_a_bad_watchdog_variable_is_an_error_naming_it(
+        monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    """Checked locally, no communication. Before, ``abc`` was a bare
+    ValueError ("could not convert string to float") and 0, -1 and NaN
+    silently meant the default threshold."""
+    from wagma_comm.runtime.watch import Watch
+
+    monkeypatch.setenv("WAGMA_WATCHDOG_S", raw)
+    with pytest.raises(wagma_comm.InvalidArgumentError, match="WAGMA_WATCHDOG_S") as info:
+        Watch(None)
+    assert info.value.argument == "WAGMA_WATCHDOG_S"
+    with pytest.raises(wagma_comm.InvalidArgumentError, match="WAGMA_WATCHDOG_S"):
+        wagma_comm.init()  # refused before its transport duplicates a communicator
+    monkeypatch.setenv("WAGMA_WATCHDOG_S", "inf")  # a threshold never reached
+    assert not Watch(None).overdue(deadline=1e9, timeout=1e9, now=1e9 - 1)

@@ -125,3 +125,51 @@ def test_poll_fallback_for_high_descriptors(bells: list[Doorbell]) -> None:
     assert bells[1]._poll_ms(1.0) is True
     bells[1].drain()
     assert bells[1]._poll_ms(0.01) is False
+
+
+def _rings_queued_at_busy_peers(n: int) -> list[Doorbell]:
+    """``n`` bells; bell 0 rang bells 1..n-2 (busy: they never sleep, so
+    never read) until their queues were full. Bell n-1 has nothing pending."""
+    nonce = secrets.token_hex(8)
+    bells = [Doorbell(nonce, r, n) for r in range(n)]
+    for peer in range(1, n - 1):
+        for _ in range(50):
+            bells[0].ring(peer)
+    return bells
+
+
+def test_rings_queued_at_busy_peers_never_drop_a_ring_to_a_sleeping_one() -> None:
+    """A datagram counts against its sender's buffer until it is read: with
+    one sending socket, the rings queued at 38 busy peers filled it and a
+    ring to a sleeping peer with nothing pending was dropped (its sleep ran
+    to its end: a lost wake-up). Each peer has its own sending socket now."""
+    bells = _rings_queued_at_busy_peers(40)
+    try:
+        sent = bells[0].rings
+        bells[0].ring(39)
+        assert bells[0].rings == sent + 1
+        assert bells[39].sleep(0.5) is True
+    finally:
+        for bell in bells:
+            bell.close()
+
+
+def test_rings_queued_at_busy_peers_never_drop_a_ring_to_yourself() -> None:
+    """The engine's own wake-up (a submission while its thread sleeps on the
+    bell) must not be lost to rings pending at busy peers either."""
+    bells = _rings_queued_at_busy_peers(40)
+    try:
+        bells[0].ring_self()
+        assert bells[0].sleep(0.5) is True
+    finally:
+        for bell in bells:
+            bell.close()
+
+
+def test_ringing_after_close_neither_raises_nor_reopens(bells: list[Doorbell]) -> None:
+    bells[0].ring(1)
+    bells[0].close()
+    bells[0].ring(1)
+    bells[0].ring_self()
+    assert bells[0].rings == 1
+    assert all(sock is None for sock in bells[0]._senders)

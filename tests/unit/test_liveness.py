@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -68,3 +69,63 @@ def test_dead_ranks_on_this_host_only() -> None:
         for p in (child, other):
             p.kill()
             p.wait()
+
+
+_EXIT_ORDER_SCRIPT = """
+import atexit, os, subprocess, sys
+from wagma_comm.runtime import liveness
+
+host = liveness.identity()[0]
+me = (host, os.getpid())
+liveness.Liveness(0, [me])  # a first communicator with no same-host peer (MPI.COMM_SELF)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def drain():
+    # comm._close_all_at_exit, registered by that first communicator: the
+    # peer dies while it drains, and the engine's driver sees it there.
+    child.kill()
+    child.wait()
+    assert live.dead([1]) == [1]
+
+
+atexit.register(drain)
+live = liveness.Liveness(0, [me, (host, child.pid)])  # then one with a same-host peer
+"""
+
+
+def test_a_death_seen_in_the_exit_drain_skips_finalize_when_the_first_comm_had_no_peer() -> None:
+    """The last look at exit must run after every communicator's drain,
+    also when the first communicator had no same-host peer: before, it was
+    registered with the first one that had, after the drain hook, so it ran
+    first, and a death the drain saw left the exit to MPI_Finalize, which
+    waits for the dead peer for ever (seen with mpiexec: a 90 s hang)."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_ORDER_SCRIPT], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == liveness.EXIT_CODE, (proc.returncode, proc.stderr)
+    assert "rank 1 (pid" in proc.stderr and "skipping MPI_Finalize" in proc.stderr, proc.stderr
+
+
+def test_stopping_the_monitor_joins_its_thread_even_mid_look() -> None:
+    """close() stops the monitor: its thread must be gone when stop()
+    returns, also when stop() comes while it is looking (before, stop() only
+    set the event and returned with the thread still running)."""
+    host = liveness.identity()[0]
+    child = _sleeper()
+    looking = threading.Event()
+
+    def in_flight() -> int:
+        looking.set()
+        time.sleep(0.2)  # a slow look: stop() arrives in the middle of it
+        return 1
+
+    try:
+        live = liveness.Liveness(0, [(host, os.getpid()), (host, child.pid)])
+        monitor = liveness.Monitor(live, in_flight)
+        assert looking.wait(5.0)
+        monitor.stop()
+        assert not monitor._thread.is_alive()
+        assert monitor.dead == []
+    finally:
+        child.kill()
+        child.wait()

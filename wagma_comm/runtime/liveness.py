@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Sequence
 PERIOD_S = 0.5  # between two looks at /proc
 GRACE_S = 2.0  # a death seen, collectives still in flight this long after: stuck in MPI
 EXIT_CODE = 3  # what a rank exits with when a dead peer leaves it no way out
+STOP_JOIN_S = 2.0  # how long Monitor.stop() waits for the thread to end
 
 
 def identity() -> tuple[str, int]:
@@ -70,8 +71,7 @@ class Liveness:
         host = peers[rank][0]
         self._local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
         self._dead: set[int] = set()
-        if self._local:
-            _watch_at_exit(self)
+        _watch_at_exit(self)
 
     @property
     def checkable(self) -> frozenset[int]:
@@ -119,7 +119,11 @@ class Monitor:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop and join the thread (close()): none is left running, mid-look,
+        once the communicator is closed. Bounded: a look is a read of /proc."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STOP_JOIN_S)
 
     def _run(self) -> None:
         seen_at = 0.0
@@ -138,6 +142,7 @@ class Monitor:
 
 _DEATHS: list[Liveness] = []  # those that saw a peer die, in order
 _ALL: list[Liveness] = []  # every one with peers to check, for the last look at exit
+_LOOK_HOOKED = False  # _last_look_at_exit is registered
 
 
 def _record_death(liveness: Liveness) -> None:
@@ -154,10 +159,16 @@ def _watch_at_exit(liveness: Liveness) -> None:
     """Registered with the first communicator, before its drain-at-exit hook,
     so this one runs after the drain: a death first seen there, or after
     close() stopped the monitor, still skips MPI_Finalize (a hook registered
-    while the exit hooks run would never run)."""
-    if not _ALL:
+    while the exit hooks run would never run). Also when that communicator
+    has no same-host peer (say over MPI.COMM_SELF): registered with a later
+    one, it ran before the drain, and a death seen in the drain left the
+    exit blocked in MPI_Finalize."""
+    global _LOOK_HOOKED
+    if not _LOOK_HOOKED:
         atexit.register(_last_look_at_exit)
-    _ALL.append(liveness)
+        _LOOK_HOOKED = True
+    if liveness.checkable:
+        _ALL.append(liveness)
 
 
 def _last_look_at_exit() -> None:

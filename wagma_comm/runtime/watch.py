@@ -16,7 +16,8 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from ..errors import CollectiveError, CollectiveTimeoutError, RankFailedError
+from ..errors import (CollectiveError, CollectiveTimeoutError, InvalidArgumentError,
+                      RankFailedError)
 from ..schedule.ir import Native, Recv, Send
 from .liveness import PERIOD_S, Liveness
 
@@ -61,12 +62,23 @@ def timeout_error(work: Any, stage: Any, ops: Sequence[Any],
     )
 
 
-def _watchdog_seconds() -> float | None:
+def watchdog_seconds() -> float | None:
+    """``WAGMA_WATCHDOG_S`` (seconds; ``inf``: never), or None where unset
+    (WATCHDOG_FRACTION of each timeout). Anything but a number > 0 is an
+    InvalidArgumentError naming the variable: before, ``abc`` was a bare
+    ValueError from the engine's start and ``0``, ``-1`` or ``nan`` silently
+    meant the default."""
     raw = os.environ.get("WAGMA_WATCHDOG_S", "").strip()
     if not raw:
         return None
-    value = float(raw)
-    return value if value > 0 else None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:  # also NaN
+        raise InvalidArgumentError(
+            "WAGMA_WATCHDOG_S", f"expected seconds as a number > 0, got {raw!r}")
+    return value
 
 
 class Watch:
@@ -75,7 +87,7 @@ class Watch:
 
     def __init__(self, liveness: Liveness | None) -> None:
         self.liveness = liveness
-        self._watchdog_s = _watchdog_seconds()
+        self._watchdog_s = watchdog_seconds()
         self._next_liveness = 0.0
 
     def scan(self, runs: Sequence[Any]) -> list[tuple[Any, CollectiveError]]:
@@ -169,4 +181,5 @@ class Watch:
         return lambda collective, seq: RankFailedError(collective, seq, dead, message)
 
 
-__all__ = ["Watch", "timeout_error", "stage_phase", "waiting_ranks", "WATCHDOG_FRACTION"]
+__all__ = ["Watch", "timeout_error", "stage_phase", "waiting_ranks", "watchdog_seconds",
+           "WATCHDOG_FRACTION"]

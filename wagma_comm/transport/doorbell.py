@@ -14,7 +14,11 @@ the communicator shares one host and one network namespace
 (:func:`doorbell_key`); elsewhere the transport has none and the engine
 polls as before. A ring is a one-byte datagram, dropped when the peer's queue
 is full: the peer then has rings pending already, and one wakes it as well as
-many.
+many. Rings leave through one unbound socket per peer, not the bell itself:
+a datagram counts against its sender's buffer until read, and a busy peer
+reads its bell only when it sleeps, so with one sending socket the rings
+queued at ~25 busy peers (a queue holds ~10 by default) filled it and a ring to a sleeping peer
+with nothing pending was dropped too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import select
 import socket
 import sys
+import threading
 
 _FD_SETSIZE = 1024  # select()'s limit on descriptor numbers (glibc)
 _DRAIN_MAX = 256  # datagrams read per wake-up: a burst of rings is one wake-up
@@ -46,6 +51,11 @@ class Doorbell:
     def __init__(self, nonce: str, rank: int, size: int) -> None:
         self._addresses = [f"\0wagma.{nonce}.{r}".encode() for r in range(size)]
         self._self = self._addresses[rank]
+        self._rank = rank
+        # Per peer, made at its first ring (see the module's docstring).
+        self._senders: list[socket.socket | None] = [None] * size
+        self._senders_lock = threading.Lock()  # making one, and close()
+        self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._sock.bind(self._self)
@@ -67,7 +77,7 @@ class Doorbell:
         its next :meth:`sleep` returns at once. Never blocks, never raises:
         a full queue already holds a ring, and a closed bell has no sleeper."""
         try:
-            self._sock.sendto(b"\1", self._addresses[peer])
+            self._sender(peer).sendto(b"\1", self._addresses[peer])
             self.rings += 1
         except OSError:
             pass
@@ -75,9 +85,28 @@ class Doorbell:
     def ring_self(self) -> None:
         """Wake this rank's own sleeper (from another thread of this process)."""
         try:
-            self._sock.sendto(b"\1", self._self)
+            self._sender(self._rank).sendto(b"\1", self._self)
         except OSError:
             pass
+
+    def _sender(self, peer: int) -> socket.socket:
+        """The socket rings to ``peer`` leave through: its own, so only rings
+        pending at that peer can fill it (then a ring there is not needed)."""
+        sock = self._senders[peer]
+        if sock is not None:
+            return sock
+        with self._senders_lock:
+            if self._closed:
+                raise OSError("doorbell closed")
+            sock = self._senders[peer]
+            if sock is None:
+                try:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                except OSError:  # out of descriptors: the bell's own socket
+                    return self._sock
+                sock.setblocking(False)
+                self._senders[peer] = sock
+            return sock
 
     def sleep(self, timeout: float) -> bool:
         """Sleep until a ring or ``timeout`` seconds; returns whether rung.
@@ -103,4 +132,10 @@ class Doorbell:
             pass
 
     def close(self) -> None:
+        with self._senders_lock:
+            self._closed = True
+            senders, self._senders = self._senders, [None] * len(self._senders)
+        for sock in senders:
+            if sock is not None:
+                sock.close()
         self._sock.close()
