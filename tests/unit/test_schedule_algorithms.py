@@ -469,3 +469,26 @@ def test_property_every_compiled_group_verifies(
         case: tuple[str, tuple[int, ...], int, str, int, str]) -> None:
     kind, group, count, op, root, name = case
     verify(alg.compile_group(kind, group, count, op, root, name))
+
+
+@pytest.mark.parametrize("call,argument", [
+    (lambda: alg.compile_allreduce(0, (0, 1), 4.0, "sum", "ring"), "count"),
+    (lambda: alg.compile_allreduce(0, (0, 1), True, "sum", "ring"), "count"),
+    (lambda: alg.compile_allreduce(1.0, (0, 1), 4, "sum", "ring"), "rank"),
+    (lambda: alg.compile_broadcast(0, (0, 1), 4, 1.0, "binomial"), "root"),
+    (lambda: alg.compile_broadcast(0, (0, 1), 4, True, "binomial"), "root"),
+    (lambda: alg.compile_barrier(True, (0, 1)), "rank"),
+])
+def test_mistyped_arguments_are_rejected_even_after_a_cached_compile(
+        call: Callable[[], object], argument: str) -> None:
+    """``4.0 == 4`` and ``True == 1`` hash alike: an untyped compile cache handed
+    back the well-typed call's schedule without validating, so whether a bad
+    argument raised depended on what had been compiled before."""
+    alg.compile_allreduce(0, (0, 1), 4, "sum", "ring")  # the well-typed twins, cached
+    alg.compile_allreduce(0, (0, 1), 1, "sum", "ring")
+    alg.compile_allreduce(1, (0, 1), 4, "sum", "ring")
+    alg.compile_broadcast(0, (0, 1), 4, 1, "binomial")
+    alg.compile_barrier(1, (0, 1))
+    with pytest.raises(InvalidArgumentError) as info:
+        call()
+    assert info.value.argument == argument

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 import pytest
 
+from wagma_comm.errors import ScheduleError
 from wagma_comm.schedule import algorithms as alg
 from wagma_comm.schedule import cli
 from wagma_comm.schedule.export import from_json, op_label, to_dot, to_json, to_text
@@ -145,3 +147,52 @@ def test_wagma_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
                             "--dot"])
     out, err = capsys.readouterr()
     assert status == 0 and out.startswith("digraph") and "verified" in err
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--ranks", "4", "--group-size", "0"], "--group-size"),
+    (["--ranks", "4", "--group-size", "5"], "--group-size"),
+    (["--ranks", "4", "--count", "-1"], "--count"),
+    (["--ranks", "4", "--op", "mean"], "--op"),
+    (["--ranks", "4", "--algorithm", "bogus"], "--algorithm"),
+    (["--ranks", "4", "--collective", "broadcast", "--algorithm", "ring"], "--algorithm"),
+    (["--ranks", "4", "--collective", "barrier", "--algorithm", "binomial"], "--algorithm"),
+])
+def test_cli_errors_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                  flag: str) -> None:
+    """A command-line user fixes a flag, not the compiler's parameter: the
+    error names ``--group-size``, not ``group_size``."""
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith(f"wagma schedule: error: {flag}: "), err
+
+
+def _edit_first_op(doc: dict, change: Callable[[dict], None]) -> str:
+    change(doc["schedules"][0]["ops"][0])
+    return json.dumps(doc)
+
+
+def test_from_json_rejects_malformed_documents_with_schedule_error() -> None:
+    """A hand-edited dump that lost a field gets ScheduleError naming the
+    schedule and op, never a bare KeyError/AttributeError/JSONDecodeError."""
+    text = to_json(alg.compile_group("allreduce", (0, 1, 2), 5, "avg", algorithm="ring"))
+    fmt = json.loads(text)["format"]
+    cases = {
+        "not json": ("{", "not a"),
+        "a list": ("[]", "not a"),
+        "no schedules": (json.dumps({"format": fmt}), "schedules"),
+        "schedule not an object": (json.dumps({"format": fmt, "schedules": [3]}),
+                                   "schedule 0"),
+        "schedule without ops": (json.dumps({"format": fmt, "schedules": [{}]}),
+                                 "schedule 0: missing field 'ops'"),
+        "op without peer": (_edit_first_op(json.loads(text), lambda o: o.pop("peer")),
+                            "schedule 0, op 0: missing field 'peer'"),
+        "op without deps": (_edit_first_op(json.loads(text), lambda o: o.pop("deps")),
+                            "schedule 0, op 0: missing field 'deps'"),
+        "deps not a list": (_edit_first_op(json.loads(text), lambda o: o.update(deps=3)),
+                            "schedule 0, op 0"),
+    }
+    for name, (bad, where) in cases.items():
+        with pytest.raises(ScheduleError) as info:
+            from_json(bad)
+        assert where in str(info.value), (name, str(info.value))

@@ -326,3 +326,39 @@ def test_avg_of_one_member_may_omit_the_scale() -> None:
     b = ScheduleBuilder("allreduce", "x", 5, (5,), 4, "avg")
     b.scale(Slot(DATA, 0, 4), 1)
     verify([b.build()])
+
+
+def _on_every_send_and_recv(field: str, change: Callable[[int], object]
+                            ) -> Callable[[Schedule], Schedule]:
+    def apply(s: Schedule) -> Schedule:
+        ops = tuple(dataclasses.replace(op, **{field: change(getattr(op, field))})
+                    if isinstance(op, (Send, Recv)) else op for op in s.ops)
+        return dataclasses.replace(s, ops=ops)
+    return apply
+
+
+@pytest.mark.parametrize("algorithm,change,match", [
+    # every member renamed consistently, so the messages still pair up
+    ("recursive_doubling", _on_every_send_and_recv("peer", float), "not another member"),
+    ("recursive_doubling", _on_every_send_and_recv("msg", float), "msg"),
+    ("recursive_doubling", _on_every_send_and_recv("msg", bool), "msg"),
+    ("recursive_doubling", lambda s: replace_op(s, first(s, Scale), Scale(
+        s.ops[first(s, Scale)].dst, float(s.ops[first(s, Scale)].divisor))), "divisor"),
+    ("native", lambda s: replace_op(s, first(s, Native), dataclasses.replace(
+        s.ops[first(s, Native)], ranks=tuple(float(r) for r in s.ops[first(s, Native)].ranks))),
+     "ranks"),
+    ("recursive_doubling", lambda s: dataclasses.replace(s, count=float(s.count)), "count"),
+    ("recursive_doubling", lambda s: dataclasses.replace(s, ranks=None), "ranks"),
+    ("recursive_doubling", lambda s: dataclasses.replace(s, scratch=None), "scratch"),
+    ("recursive_doubling", _on_every_send_and_recv("msg", lambda m: None), "msg"),
+    ("recursive_doubling", lambda s: replace_op(s, first(s, Scale), Scale(
+        s.ops[first(s, Scale)].dst, None)), "divisor"),  # type: ignore[arg-type]
+])
+def test_mistyped_fields_are_rejected_with_schedule_error(
+        algorithm: str, change: Callable[[Schedule], Schedule], match: str) -> None:
+    """Fields compare with ``==`` and ``1.0 == True == 1``: a schedule read from
+    hand-edited JSON with ``"peer": 1.0`` verified, then failed in the
+    transport; a None raised a bare TypeError instead of ScheduleError."""
+    g = compiled("allreduce", 2, 6, algorithm, "avg")
+    with pytest.raises(ScheduleError, match=match):
+        verify(tuple(change(s) for s in g))

@@ -42,6 +42,10 @@ smaller ones "binomial". 256 KiB is a starting guess, to be replaced by the
 crossover measured with ``wagma bench``."""
 
 _CACHE_SIZE = 1024
+"""Compiled schedules kept per process. The caches are typed: untyped, a
+call with ``count=1.0`` or ``root=True`` equals (and hashes as) one with
+``1`` and would get that call's schedule back without being validated, so a
+bad argument would raise or not depending on what was compiled before."""
 
 
 # -- choosing ------------------------------------------------------------------
@@ -68,7 +72,7 @@ def _check_group(rank: int, ranks: tuple[int, ...], count: int) -> int:
     index = _valid_group(ranks)
     if index is None:
         raise InvalidArgumentError("ranks", f"contains duplicates: {ranks!r}")
-    if rank not in index:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in index:
         raise InvalidArgumentError("rank", f"{rank!r} is not a member of {ranks!r}")
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise InvalidArgumentError("count", f"expected an int >= 0, got {count!r}")
@@ -256,7 +260,7 @@ _ALLREDUCE: dict[str, Callable[[_Group, str], None]] = {
 }
 
 
-@lru_cache(maxsize=_CACHE_SIZE)
+@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_allreduce(rank: int, ranks: tuple[int, ...], count: int, op: str,
                       algorithm: str) -> Schedule:
     """``rank``'s schedule of an in-place allreduce over the group ``ranks``."""
@@ -337,12 +341,12 @@ _BROADCAST: dict[str, Callable[[_Group, int], None]] = {
 }
 
 
-@lru_cache(maxsize=_CACHE_SIZE)
+@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_broadcast(rank: int, ranks: tuple[int, ...], count: int, root: int,
                       algorithm: str) -> Schedule:
     """``rank``'s schedule of broadcasting global rank ``root``'s data."""
     me = _check_group(rank, ranks, count)
-    if root not in ranks:
+    if isinstance(root, bool) or not isinstance(root, int) or root not in ranks:
         raise InvalidArgumentError("root", f"{root!r} is not a member of {ranks!r}")
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS)
     b = ScheduleBuilder("broadcast", algorithm, rank, ranks, count, "", root)
@@ -352,7 +356,7 @@ def compile_broadcast(rank: int, ranks: tuple[int, ...], count: int, root: int,
 
 
 # -- barrier -------------------------------------------------------------------
-@lru_cache(maxsize=_CACHE_SIZE)
+@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_barrier(rank: int, ranks: tuple[int, ...]) -> Schedule:
     """Dissemination barrier: in round k send a zero-byte message to position
     +2^k and receive from -2^k; each send waits for every earlier receive, so
@@ -373,7 +377,7 @@ def compile_barrier(rank: int, ranks: tuple[int, ...]) -> Schedule:
 EXCHANGE_SCRATCH = "peers"
 
 
-@lru_cache(maxsize=_CACHE_SIZE)
+@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
     """Every member sends its ``count`` elements to every other, each received
     into scratch ``"peers"`` at ``position * count``. Not bandwidth-optimal, but
@@ -389,7 +393,7 @@ def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
     return b.build()
 
 
-@lru_cache(maxsize=_CACHE_SIZE)
+@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_neighbor_average(rank: int, ranks: tuple[int, ...], count: int,
                              neighbours: tuple[int, ...]) -> Schedule:
     """Gossip averaging (D-PSGD): send the buffer to every rank in

@@ -13,8 +13,9 @@ import argparse
 import sys
 from typing import Any, Sequence
 
+from ..dtypes import OPS
 from ..errors import InvalidArgumentError, ScheduleError
-from ..groups import check_step, group_of
+from ..groups import check_group_size, check_step, group_of
 from .algorithms import (
     ALLREDUCE_ALGORITHMS,
     BARRIER_ALGORITHMS,
@@ -69,10 +70,30 @@ def _group(args: argparse.Namespace) -> tuple[int, ...]:
         raise InvalidArgumentError("--rank", f"must be in [0, {size}), got {rank}")
     check_step(args.step, "--step")
     group_size = size if args.group_size is None else args.group_size
+    check_group_size(size, group_size, "--group-size")
     return group_of(rank, size, group_size, args.step)
 
 
+_ALGORITHMS = {"allreduce": ALLREDUCE_ALGORITHMS, "broadcast": BROADCAST_ALGORITHMS,
+               "barrier": BARRIER_ALGORITHMS}
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The compiler names its own parameters (``count``, ``op``, ...) in its
+    errors; a command-line user must read the flag to fix instead."""
+    if args.count < 0:
+        raise InvalidArgumentError("--count", f"must be >= 0, got {args.count}")
+    if args.collective == "allreduce" and args.op not in OPS:
+        raise InvalidArgumentError("--op", f"unknown op {args.op!r}; expected one of {list(OPS)}")
+    known = _ALGORITHMS[args.collective]
+    if args.algorithm is not None and args.algorithm not in known:
+        raise InvalidArgumentError(
+            "--algorithm", f"unknown {args.collective} algorithm {args.algorithm!r}; "
+            f"expected one of {list(known)}")
+
+
 def _compile(args: argparse.Namespace, group: tuple[int, ...]) -> tuple[Schedule, ...]:
+    _check_options(args)
     root = -1
     if args.collective == "broadcast":
         if not 0 <= args.root < len(group):

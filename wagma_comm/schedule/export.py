@@ -107,17 +107,35 @@ def _op_from_dict(d: dict[str, Any]) -> Op:
 
 
 def from_json(text: str) -> tuple[Schedule, ...]:
-    """The schedules written by :func:`to_json` (for tools and tests)."""
-    doc = json.loads(text)
-    if doc.get("format") != FORMAT:
+    """The schedules written by :func:`to_json` (for tools and tests). A
+    document that is not one (bad JSON, a missing or mistyped field) raises
+    ScheduleError naming the schedule and op, not a bare KeyError: such a
+    document is usually hand-edited, and the reader must find the spot."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ScheduleError(f"not a {FORMAT} document: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ScheduleError(f"not a {FORMAT} document")
+    if not isinstance(doc.get("schedules"), list):
+        raise ScheduleError(f'{FORMAT} document: "schedules" must be a list')
     out = []
-    for s in doc["schedules"]:
-        ops = tuple(_op_from_dict(o) for o in s["ops"])
-        deps = tuple(tuple(o["deps"]) for o in s["ops"])
-        out.append(Schedule(s["collective"], s["algorithm"], s["rank"], tuple(s["ranks"]),
-                            s["count"], s["op"], s["root"], ops, deps,
-                            tuple(s["scratch"].items())))
+    for k, s in enumerate(doc["schedules"]):
+        where = f"{FORMAT} document, schedule {k}"
+        try:
+            ops, deps = [], []
+            for i, o in enumerate(s["ops"]):
+                where = f"{FORMAT} document, schedule {k}, op {i}"
+                ops.append(_op_from_dict(o))
+                deps.append(tuple(o["deps"]))
+            where = f"{FORMAT} document, schedule {k}"
+            out.append(Schedule(s["collective"], s["algorithm"], s["rank"], tuple(s["ranks"]),
+                                s["count"], s["op"], s["root"], tuple(ops), tuple(deps),
+                                tuple(s["scratch"].items())))
+        except KeyError as exc:
+            raise ScheduleError(f"{where}: missing field {exc}") from None
+        except (TypeError, AttributeError, ValueError) as exc:
+            raise ScheduleError(f"{where}: malformed ({exc})") from None
     return tuple(out)
 
 

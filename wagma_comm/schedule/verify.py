@@ -65,6 +65,8 @@ class _Group:
         scheds = list(schedules)
         if not scheds:
             raise ScheduleError("no schedules to verify")
+        for s in scheds:
+            _check_types(s)
         first = scheds[0]
         self.ranks, self.count, self.op = first.ranks, first.count, first.op
         self.collective, self.root = first.collective, first.root
@@ -94,6 +96,36 @@ class _Group:
         pos = self.owner[gid]
         index = gid - self.base[pos]
         return f"rank {self.ranks[pos]} op {index} ({op_label(self.scheds[pos].ops[index])})"
+
+
+def _is_int(value: object, low: int = 0) -> bool:
+    """An int >= ``low`` and not a bool. Fields are compared with ``==``, and
+    ``1.0 == True == 1``: a schedule loaded from hand-edited JSON with peer
+    1.0 would verify, then fail in the transport."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_types(s: object) -> None:
+    """The header's field types, before anything compares or hashes them."""
+    if not isinstance(s, Schedule):
+        raise ScheduleError(f"expected a Schedule, got {type(s).__name__}")
+    for name in ("collective", "algorithm", "op"):
+        if not isinstance(getattr(s, name), str):
+            raise ScheduleError(f"schedule {name} must be a str, got {getattr(s, name)!r}")
+    if not isinstance(s.ranks, tuple) or not all(_is_int(r) for r in s.ranks):
+        raise ScheduleError(f"schedule ranks must be a tuple of ints >= 0, got {s.ranks!r}")
+    for name, low in (("rank", 0), ("count", 0), ("root", -1)):
+        if not _is_int(getattr(s, name), low):
+            raise ScheduleError(f"schedule {name} must be an int >= {low}, got "
+                                f"{getattr(s, name)!r}")
+    if not isinstance(s.scratch, tuple) or not all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and _is_int(e[1])
+            for e in s.scratch):
+        raise ScheduleError(f"rank {s.rank}: scratch must be (name, size >= 0) pairs, got "
+                            f"{s.scratch!r}")
+    if not isinstance(s.ops, tuple) or not isinstance(s.deps, tuple) \
+            or not all(isinstance(d, tuple) for d in s.deps):
+        raise ScheduleError(f"rank {s.rank}: ops and deps must be tuples (deps of tuples)")
 
 
 def _check_header(s: Schedule) -> None:
@@ -150,15 +182,19 @@ def _check_structure(s: Schedule) -> None:
 
 def _check_fields(op: Op, s: Schedule, where: str) -> None:
     if isinstance(op, (Send, Recv)):
-        if op.peer == s.rank or op.peer not in s.ranks:
-            raise ScheduleError(f"{where}: peer {op.peer} is not another member of {s.ranks}")
-        if not 0 <= op.msg < MAX_MSG:
-            raise ScheduleError(f"{where}: msg {op.msg} outside [0, {MAX_MSG})")
+        if not _is_int(op.peer) or op.peer == s.rank or op.peer not in s.ranks:
+            raise ScheduleError(f"{where}: peer {op.peer!r} is not another member of {s.ranks}")
+        if not _is_int(op.msg) or op.msg >= MAX_MSG:
+            raise ScheduleError(f"{where}: msg {op.msg!r} is no int in [0, {MAX_MSG})")
     elif isinstance(op, Reduce) and op.op not in OPS:
         raise ScheduleError(f"{where}: unknown reduction {op.op!r}")
-    elif isinstance(op, Scale) and op.divisor < 1:
-        raise ScheduleError(f"{where}: divisor {op.divisor} < 1")
+    elif isinstance(op, Scale) and not _is_int(op.divisor, 1):
+        raise ScheduleError(f"{where}: divisor {op.divisor!r} is no int >= 1")
     elif isinstance(op, Native):
+        if not isinstance(op.ranks, tuple) or not all(_is_int(r) for r in op.ranks) \
+                or not _is_int(op.root, -1):
+            raise ScheduleError(f"{where}: ranks {op.ranks!r} and root {op.root!r} must be "
+                                "ints")
         try:
             check_native(op.kind, op.op, op.ranks, op.root, s.rank, s.ranks)
         except ScheduleError as exc:
