@@ -152,3 +152,23 @@ def test_a_default_group_size_describes_as_the_size_it_stands_for() -> None:
         m.check_size(4)
     assert implicit.describe() == explicit.describe()
     assert "groups of 2" in implicit.describe()
+
+
+def test_a_method_never_set_up_refuses_to_communicate_by_name() -> None:
+    """start() of a communicating iteration without setup() failed with a
+    bare AttributeError (no communicator), or, after close(), an IndexError
+    from finish(); a local step still needs no set-up."""
+    import numpy as np
+
+    from wagma_comm import CommunicatorClosedError
+
+    for name in ("allreduce", "wagma", "solo", "dpsgd", "local_sgd"):
+        m = make_method(name, sync_every=1)
+        with pytest.raises(CommunicatorClosedError, match=f"{name}: start.. needs setup"):
+            m.start(0, [np.ones(2, np.float32)])
+        assert not m.in_flight
+        with pytest.raises(CommunicatorClosedError, match="finalize.. needs setup"):
+            m.finalize([np.ones(2, np.float32)])
+    m = LocalSGD(4)
+    m.start(0, [])  # a local step
+    assert m.finish().averaged is None

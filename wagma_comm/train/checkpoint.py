@@ -19,7 +19,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .methods import GRADIENTS
 from .pytorch import DistributedOptimizer
-from .specs import allgather_ints, minority
+from .specs import agree_on_failure, allgather_ints, minority
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_path"]
 
@@ -37,25 +37,6 @@ def checkpoint_path(path: str, optimizer: DistributedOptimizer) -> str:
             "path", f"{optimizer.method.name} keeps a different model on every rank; put "
             "'{rank}' in the path (e.g. 'ckpt-{rank}.pt') so each rank saves its own")
     return path
-
-
-def _agree(comm: Any, error: BaseException | None, argument: str, what: str,
-           mark: int = 0) -> list[int]:
-    """Collective: tell every rank which ranks failed ``what`` (one small
-    allreduce, with the communicator's deadline), so a local failure (a
-    full disk, a missing file) is an InvalidArgumentError naming ``argument``
-    on every rank instead of an error on one rank and a timeout that breaks
-    the communicator on the others. Returns every rank's ``mark``."""
-    table = allgather_ints(comm, [int(error is not None), mark], 2)
-    failed = [r for r in range(comm.size) if table[r, 0]]
-    if error is not None:
-        if isinstance(error, InvalidArgumentError):
-            raise error
-        raise InvalidArgumentError(argument, f"could not {what}: {error}") from error
-    if failed:
-        raise InvalidArgumentError(argument, f"{'rank' if len(failed) == 1 else 'ranks'} "
-                                   f"{failed} could not {what} (their errors say why)")
-    return [int(m) for m in table[:, 1]]
 
 
 def save_checkpoint(path: str, model: torch.nn.Module, optimizer: DistributedOptimizer,
@@ -82,7 +63,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: DistributedOpt
             with contextlib.suppress(OSError):
                 os.remove(tmp)
     # Also what the barrier was for: a shared file exists before anyone reads it.
-    _agree(optimizer.comm, error, "path", f"write the checkpoint {file!r}")
+    agree_on_failure(optimizer.comm, error, "path", f"write the checkpoint {file!r}")
     return file
 
 
@@ -119,14 +100,14 @@ def load_checkpoint(path: str, model: torch.nn.Module,
     error: BaseException | None = None
     try:
         state = _read(file)
-    except Exception as exc:  # noqa: BLE001 - every rank hears of it in _agree
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it in agree_on_failure
         error = exc
     opt_state = state.get("optimizer") or {}
     saved = opt_state.get("iteration")
     iteration = saved if isinstance(saved, int) and not isinstance(saved, bool) else -1
     mark = zlib.crc32(repr((opt_state.get("method"), opt_state.get("size"),
                             iteration)).encode())
-    marks = _agree(comm, error, "path", f"read the checkpoint {file!r}", mark)
+    marks = agree_on_failure(comm, error, "path", f"read the checkpoint {file!r}", mark)
     if len(set(marks)) > 1:
         _, odd = minority(marks)
         iterations = [int(i) for i in allgather_ints(comm, [iteration], 1)[:, 0]]
@@ -140,6 +121,6 @@ def load_checkpoint(path: str, model: torch.nn.Module,
         model.load_state_dict(state["model"])
     except Exception as exc:  # noqa: BLE001 - a model of another shape
         error = exc
-    _agree(comm, error, "model", f"load the model state of {file!r}")
+    agree_on_failure(comm, error, "model", f"load the model state of {file!r}")
     optimizer.load_state_dict(opt_state)
     return dict(state.get("extra") or {})

@@ -39,7 +39,7 @@ from ..errors import CommunicatorClosedError, InvalidArgumentError
 from ..torch_views import numpy_of
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .placement import BUCKET_MEMORY, agree_at_setup, check_choice
-from .specs import TensorSpec, bucket_sizes, check_consistent, layout
+from .specs import TensorSpec, agree_on_failure, bucket_sizes, check_consistent, layout
 from .stats import WaitStats
 
 __all__ = ["BUCKET_MEMORY", "DistributedOptimizer", "TorchBucket", "torch_dtype",
@@ -573,8 +573,44 @@ class DistributedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: restore the optimizer and round counter, and restart the
         method's collectives at that iteration from the current weights (load
-        the model's state first; :func:`load_checkpoint` does)."""
+        the model's state first; :func:`load_checkpoint` does).
+
+        Every rank checks its ``state`` and loads the wrapped optimizer's
+        before any collective step, then the ranks agree (one small
+        allreduce): a rank that cannot (a bad state, another optimizer's
+        layout, a parameter whose dtype changed) or ranks at different
+        iterations make every rank raise InvalidArgumentError naming
+        ``state_dict`` (``params[i]`` for a changed parameter) and the ranks,
+        with the old optimizer state and round counter kept.
+        Before, the other ranks loaded theirs (a method with no persistent
+        collectives went on diverged) or waited in the restart until the
+        communicator's timeout broke it."""
         self._check_open()  # closed: the method's collectives would be made again, never closed
+        error: BaseException | None = None
+        before: dict[str, Any] | None = None
+        iteration = -1
+        try:
+            iteration = self._checked_iteration(state)
+            if self.method.averages == MODEL:  # what _setup packs, checked before the restart
+                self._weights._check(self.params)
+            before = self.optimizer.state_dict()
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as exc:  # noqa: BLE001 - every rank hears of it in _agree_on
+            error = exc
+        try:
+            self._agree_on(error, iteration)
+            self._drain()
+        except BaseException:
+            if before is not None:  # the state this rank loaded (or half loaded) goes
+                self.optimizer.load_state_dict(before)
+            raise
+        with self._lock:
+            self.iteration = iteration
+        self.method.close()
+        self._setup()
+
+    def _checked_iteration(self, state: Any) -> int:
+        """The iteration of ``state``, if this optimizer can resume it."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise InvalidArgumentError("state_dict", "not a DistributedOptimizer state "
                                        f"(format {_STATE_FORMAT})")
@@ -590,12 +626,22 @@ class DistributedOptimizer:
         err = self.method.checkpoint_error(iteration)
         if err:
             raise InvalidArgumentError("state_dict", err)
-        self._drain()
-        self.optimizer.load_state_dict(state["optimizer"])
-        with self._lock:
-            self.iteration = iteration
-        self.method.close()
-        self._setup()
+        if not isinstance(state.get("optimizer"), dict):
+            raise InvalidArgumentError("state_dict", "holds no optimizer state "
+                                       "(expected a dict under 'optimizer')")
+        return iteration
+
+    def _agree_on(self, error: BaseException | None, iteration: int) -> None:
+        """Collective (one small allreduce, the communicator's deadline): raise
+        on every rank if any rank failed to load its state (``error``), or if
+        the ranks would resume at different iterations."""
+        iterations = agree_on_failure(self.comm, error, "state_dict",
+                                      "load their optimizer state", iteration)
+        if len(set(iterations)) > 1:
+            per = ", ".join(f"rank {r}: {i}" for r, i in enumerate(iterations))
+            raise InvalidArgumentError(
+                "state_dict", f"the ranks' states are of different iterations ({per}); "
+                "load states saved together")
 
     # -- telemetry & delegation ------------------------------------------------------------
     @property

@@ -138,6 +138,26 @@ def allgather_ints(comm: Any, row: Sequence[int], width: int) -> np.ndarray:
     return table
 
 
+def agree_on_failure(comm: Any, error: BaseException | None, argument: str, what: str,
+                     mark: int = 0) -> list[int]:
+    """Collective: tell every rank which ranks failed ``what`` (one small
+    allreduce, with the communicator's deadline), so a local failure (a
+    full disk, a missing file, a state that does not load) is an
+    InvalidArgumentError naming ``argument`` on every rank instead of an
+    error on one rank and a timeout that breaks the communicator on the
+    others. Returns every rank's ``mark``."""
+    table = allgather_ints(comm, [int(error is not None), mark], 2)
+    failed = [r for r in range(comm.size) if table[r, 0]]
+    if error is not None:
+        if isinstance(error, InvalidArgumentError):
+            raise error
+        raise InvalidArgumentError(argument, f"could not {what}: {error}") from error
+    if failed:
+        raise InvalidArgumentError(argument, f"{'rank' if len(failed) == 1 else 'ranks'} "
+                                   f"{failed} could not {what} (their errors say why)")
+    return [int(m) for m in table[:, 1]]
+
+
 def minority(values: Sequence[Any]) -> tuple[Any, list[int]]:
     """The most common value and the ranks that differ from it (ties: lowest
     value wins, so every rank picks the same)."""

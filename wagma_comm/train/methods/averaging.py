@@ -23,6 +23,7 @@ from .base import (
     bucket_statistics,
     check_int,
     clone,
+    release,
 )
 
 ROUND_STARTS = ("gradient", "iteration", "publish")
@@ -135,10 +136,17 @@ class WagmaSGD(Method):
                 f"{self.sync_every}, got {self.first_iteration}")
         # The creation buffer is what a rank contributes before it has published
         # anything: the current (identical) model, copied.
-        self._colls = [comm.wait_avoiding_group_allreduce(
-            clone(b), self.group_size, self.sync_every, activation=self.activation,
-            normalization=self.normalization, grace=self.grace,
-            first_round=self.first_iteration) for b in buffers]
+        made: list[Any] = []
+        try:
+            for b in buffers:
+                made.append(comm.wait_avoiding_group_allreduce(
+                    clone(b), self.group_size, self.sync_every, activation=self.activation,
+                    normalization=self.normalization, grace=self.grace,
+                    first_round=self.first_iteration))
+        except BaseException as exc:
+            release(made, exc)  # the earlier buckets' collectives, made for nothing
+            raise
+        self._colls = made
 
     def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         # A sync round blocks for everyone anyway: arriving early costs nothing.
@@ -163,16 +171,27 @@ class WagmaSGD(Method):
                              max(i.staleness for i in infos))
 
     def finalize(self, buffers: Any) -> bool:
+        self._check_live("finalize")
         self._keep_promise()
         for c, b in zip(self._colls, buffers):
             c.flush(b)  # one extra global mean: replicas agree bitwise
         return False
 
     def close(self) -> None:
-        self._keep_promise()
-        for c in self._colls:
-            c.close()
-        self._colls = []
+        """Collective (idempotent). Every bucket's collective is released even
+        when keeping the promise or an earlier bucket's close fails: the
+        first error is raised after."""
+        error: BaseException | None = None
+        try:
+            self._keep_promise()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            error = exc
+            self._buffers = []
+        colls, self._colls, self._handles = self._colls, [], []
+        super().close()
+        error = release(colls, error)
+        if error is not None:
+            raise error
 
     def _keep_promise(self) -> None:
         """start() published ready and no finish() followed: step copies, so

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
-from ...errors import InvalidArgumentError
+from ...errors import CommunicatorClosedError, InvalidArgumentError
 from ...partial.info import RoundInfo
 
 MODEL, GRADIENTS = "model", "gradients"
@@ -93,6 +93,29 @@ def bucket_statistics(colls: Sequence[Any]) -> dict[str, Any]:
     return out
 
 
+def release(colls: Sequence[Any], error: BaseException | None = None) -> BaseException | None:
+    """Close persistent collectives in order, collectively while that goes
+    well; once one failed (or given ``error``: a set-up that failed after
+    making some), release the rest locally (their ``__exit__`` with that
+    error), as the peers may never come to close them: a collective close
+    each would wait a timeout apiece, and leaving them open kept their
+    progress-thread work and channels for the communicator's lifetime.
+    Returns the first error (``error`` if given), for the caller to raise."""
+    first = error
+    for c in colls:
+        if first is None:
+            try:
+                c.close()
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller
+                first = exc
+            continue
+        try:
+            c.__exit__(type(first), first, first.__traceback__)
+        except Exception:  # noqa: BLE001 - a local release; the first error is the answer
+            pass
+    return first
+
+
 def check_int(argument: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(argument, f"expected an int, got {type(value).__name__}")
@@ -117,6 +140,7 @@ class Method(ABC):
         self.comm: Any = None
         self.first_iteration = 0
         self._t: int | None = None
+        self._live = False  # set up and not closed since
 
     # -- life cycle ---------------------------------------------------------------
     def setup(self, comm: Any, buffers: Sequence[BucketBuffer],
@@ -126,7 +150,9 @@ class Method(ABC):
         resume). ``buffers`` hold the current model (model methods)."""
         self.comm = comm
         self.first_iteration = check_int("first_iteration", first_iteration, 0)
+        self._live = False
         self._setup(comm, list(buffers))
+        self._live = True
 
     def _setup(self, comm: Any, buffers: list[BucketBuffer]) -> None:
         """Subclass hook: create persistent collectives."""
@@ -147,6 +173,8 @@ class Method(ABC):
         if self._t is not None:
             raise InvalidArgumentError("start", f"{self.name}: iteration {self._t} was "
                                        "started and not finished")
+        if self.communicates(t):
+            self._check_live("start")
         self._t = t
         if self.communicates(t):
             try:
@@ -164,6 +192,16 @@ class Method(ABC):
             return AveragingInfo(t, self.name, None, False, 0.0)
         return self._finish(t)
 
+    def _check_live(self, call: str) -> None:
+        """Refuse work without a set-up: after close() or a failed setup()
+        (a failed restart in load_state_dict) the persistent collectives are
+        gone, and start/finish failed with a bare IndexError, finalize()
+        returned without averaging anything."""
+        if not self._live:
+            raise CommunicatorClosedError(
+                f"{self.name}: {call}() needs setup() first (the method is closed, or "
+                "its set-up failed)")
+
     @property
     def in_flight(self) -> bool:
         return self._t is not None
@@ -179,13 +217,16 @@ class Method(ABC):
         buffers by the global mean of every rank's model (replicas then agree).
         Gradient methods: put what never reached a round into the buffers and
         return True if that is a non-zero update the caller should apply."""
+        self._check_live("finalize")
         if self.averages == MODEL:
             for b in buffers:
                 self.comm.allreduce(b, "avg")
         return False
 
     def close(self) -> None:
-        """Collective: release persistent collectives (idempotent)."""
+        """Collective: release persistent collectives (idempotent). Subclasses
+        call this too: it marks the method closed."""
+        self._live = False
 
     def checkpoint_error(self, t: int) -> str | None:
         """Why a checkpoint taken before iteration ``t`` could not be resumed

@@ -91,9 +91,10 @@ class _Gossip(Method):
         return AveragingInfo(t, self.name, MODEL, False, time.perf_counter() - t0)
 
     def close(self) -> None:
-        if self._exchange is not None:
-            self._exchange.close()
-            self._exchange = None
+        exchange, self._exchange = self._exchange, None
+        super().close()
+        if exchange is not None:
+            exchange.close()
 
 
 class DPSGD(_Gossip):

@@ -19,6 +19,7 @@ from .base import (
     any_bit_set,
     bucket_statistics,
     check_int,
+    release,
     zeros_like,
 )
 
@@ -71,8 +72,15 @@ class EagerSGD(Method):
         majority = self.name == "majority"
         create = comm.majority_allreduce if majority else comm.solo_allreduce
         kw = {"seed": self.seed} if majority else {}
-        self._colls = [create(zeros_like(b), self.sync_every,
-                              first_round=self.first_iteration, **kw) for b in buffers]
+        made: list[Any] = []
+        try:
+            for b in buffers:
+                made.append(create(zeros_like(b), self.sync_every,
+                                   first_round=self.first_iteration, **kw))
+        except BaseException as exc:
+            release(made, exc)  # the earlier buckets' collectives, made for nothing
+            raise
+        self._colls = made
 
     def _start(self, t: int, buffers: list[BucketBuffer]) -> None:
         self._handles = [c.step(b, async_op=True) for c, b in zip(self._colls, buffers)]
@@ -87,6 +95,7 @@ class EagerSGD(Method):
 
     def finalize(self, buffers: Any) -> bool:
         """Flush: contributions that missed their rounds land in ``buffers``."""
+        self._check_live("finalize")
         nonzero = False
         for c, b in zip(self._colls, buffers):
             c.flush(b)
@@ -94,9 +103,13 @@ class EagerSGD(Method):
         return nonzero
 
     def close(self) -> None:
-        for c in self._colls:
-            c.close()
-        self._colls = []
+        """Collective (idempotent). Every bucket's collective is released even
+        when an earlier one's close fails: the first error is raised after."""
+        colls, self._colls, self._handles = self._colls, [], []
+        super().close()
+        error = release(colls)
+        if error is not None:
+            raise error
 
     def checkpoint_error(self, t: int) -> str | None:
         if t % self.sync_every:
