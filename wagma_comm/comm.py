@@ -197,7 +197,7 @@ class Communicator:
 
     def __init__(self, transport: Transport, timeout: float | None = None,
                  debug_mode: bool | None = None) -> None:
-        self._timeout = check_timeout(_default_timeout(timeout))
+        self._timeout = check_timeout(default_timeout(timeout))
         self._transport = transport
         self._debug = _env_flag("WAGMA_DEBUG") if debug_mode is None else debug_mode
         liveness = (Liveness(transport.rank, transport.identities)
@@ -1106,7 +1106,7 @@ class Communicator:
         return out, tuple(requires), tuple(creates)
 
 
-def _default_timeout(timeout: float | None) -> float:
+def default_timeout(timeout: float | None) -> float:
     """``timeout``, else ``WAGMA_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
     A bad ``WAGMA_TIMEOUT`` is an InvalidArgumentError naming the variable
     (not a bare ValueError, nor one blaming a ``timeout`` nobody passed)."""
@@ -1133,7 +1133,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     and of ``init`` itself: a rank that never calls it makes the others raise
     CollectiveTimeoutError instead of waiting forever.
     """
-    deadline_s = check_timeout(_default_timeout(timeout))  # before any MPI call
+    deadline_s = check_timeout(default_timeout(timeout))  # before any MPI call
     watchdog_seconds()  # likewise: the engine reads it after the transport's set-up
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")

@@ -398,3 +398,34 @@ def test_peers_wait_as_long_as_the_communicator(monkeypatch: Any) -> None:
     assert _bench(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-r", "1", "-w", "0",
                    "--vs", "mpi-nb"]) == 0
     assert made == [37.0]
+
+
+def test_a_rank_missing_from_a_timed_round_is_a_timeout() -> None:
+    """side_by_side starts each timed loop with a barrier and gathers the
+    medians at the end; both were plain MPI calls, so a rank that stopped
+    between two loops hung the others forever. Now: CollectiveTimeoutError
+    naming the implementation and round."""
+    from wagma_comm import CollectiveTimeoutError
+    from wagma_comm.bench import measure
+
+    if SIZE == 1:
+        pytest.skip("one rank never waits for another")
+    dup = WORLD.Dup()
+    try:
+        if RANK == 0:  # the other ranks never start the loop
+            with pytest.raises(CollectiveTimeoutError) as info:
+                measure.time_calls(lambda: None, 1, dup, timeout=0.5, round=2, name="mpi")
+            assert info.value.round == 2 and "before timing mpi" in str(info.value)
+        WORLD.Barrier()
+        if RANK != 0:
+            dup.Ibarrier().Wait()  # matches rank 0's abandoned Ibarrier
+        else:
+            req, _ = measure._ABANDONED.pop()
+            req.Wait()
+        # Every rank present: the timings come back, the same on every rank.
+        timings = measure.side_by_side({"a": lambda: None, "b": lambda: None}, 2, 1, 3, dup,
+                                       timeout=30)
+        assert set(timings) == {"a", "b"}
+        assert WORLD.allgather(timings) == [timings] * SIZE
+    finally:
+        dup.Free()

@@ -149,3 +149,30 @@ def test_measure_overlap_bad_iters(comm) -> None:
     with pytest.raises(InvalidArgumentError) as err:
         overlap.measure_overlap(lambda: None, lambda h: None, lambda: None, 0, WORLD)
     assert err.value.argument == "iters"
+
+
+def test_a_rank_that_never_comes_is_a_timeout_not_a_hang() -> None:
+    """The benchmark's own barriers were plain MPI_Barrier calls: a rank that
+    stopped between two timed phases left the others waiting forever. Now
+    they raise CollectiveTimeoutError naming the phase and round."""
+    from wagma_comm import CollectiveTimeoutError
+    from wagma_comm.bench import measure
+
+    if SIZE == 1:
+        pytest.skip("one rank never waits for another")
+    dup = WORLD.Dup()
+    try:
+        if RANK == 0:  # the other ranks never enter the round
+            with pytest.raises(CollectiveTimeoutError) as info:
+                overlap.time_overlap_round(lambda: None, lambda h: None, lambda: None, 1, dup,
+                                           timeout=0.5, round=3, name="wagma")
+            assert info.value.round == 3
+            assert "barrier before the pure phase of wagma" in info.value.collective
+        WORLD.Barrier()
+        if RANK != 0:
+            dup.Ibarrier().Wait()  # matches rank 0's abandoned Ibarrier
+        else:
+            req, _ = measure._ABANDONED.pop()
+            req.Wait()
+    finally:
+        dup.Free()

@@ -13,8 +13,14 @@ import numpy as np
 
 
 def _values(rank: int, count: int) -> np.ndarray:
-    """Rank ``rank``'s input values, in [1, 6], as float64."""
-    return ((rank % 4) + 1 + (np.arange(count) % 3)).astype(np.float64)
+    """Rank ``rank``'s input values, in [1, 6], as float64. Element i holds
+    base-4 digit ``i % 4`` of the rank (+1), so two ranks below 256 differ in
+    some element of a buffer of 4 or more (``rank % 4`` alone made ranks r and
+    r+4 equal: at 8 ranks a result of the other group of 4, or rank 0 counted
+    twice and rank 4 dropped, went unseen); ``+ i % 3`` shows a misplaced chunk."""
+    i = np.arange(count)
+    digit = (rank >> (2 * (i % 4))) & 3
+    return (digit + 1 + (i % 3)).astype(np.float64)
 
 
 def pattern(rank: int, count: int, dtype: Any) -> np.ndarray:

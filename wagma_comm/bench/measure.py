@@ -4,6 +4,11 @@ Implementations are measured side by side in the same run on the same buffers,
 alternating in rounds (ours, theirs, ours, theirs, ...) so that the noise of a
 shared machine hits both alike; the reported figure per rank is the median of
 the rounds, then averaged over ranks (min and max over ranks are kept too).
+
+The benchmark's own barriers and exchanges of timings are MPI non-blocking
+calls tested under a deadline (``timeout``; default ``WAGMA_TIMEOUT``, else
+300 s), so a rank that stops between two timed loops is a
+CollectiveTimeoutError naming the step, not a job that waits forever.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
+
+from ..comm import check_timeout, default_timeout
+from ..errors import CollectiveTimeoutError
 
 
 @dataclass
@@ -26,11 +34,54 @@ class Timing:
     max: float
 
 
+# Requests abandoned by a timeout, with their buffers: never freed, since
+# freeing an active collective's request is erroneous in MPI (the run is over).
+_ABANDONED: list[Any] = []
+
+
+def wait_bounded(req: MPI.Request, what: str, round: int = -1,
+                 timeout: float | None = None, keep: Any = None) -> None:
+    """Test ``req`` until it completes; past ``timeout`` seconds (None:
+    ``WAGMA_TIMEOUT``, else 300 s) raise CollectiveTimeoutError naming ``what``
+    and ``round``. An MPI request cannot tell which rank is missing, so the
+    error names none. ``keep``: buffers the request still uses."""
+    if req.Test():
+        return
+    limit = check_timeout(default_timeout(timeout))
+    end = time.monotonic() + limit
+    while not req.Test():
+        if time.monotonic() > end:
+            _ABANDONED.append((req, keep))
+            raise CollectiveTimeoutError(
+                what, round, [], f"not every rank came within {limit:g} s (an MPI "
+                "request cannot name the missing ranks)")
+
+
+def barrier(comm: MPI.Comm, what: str, round: int = -1,
+            timeout: float | None = None) -> None:
+    """MPI_Ibarrier under a deadline: every rank past it, or a timeout error."""
+    wait_bounded(comm.Ibarrier(), f"wagma bench: barrier {what}".rstrip(), round, timeout)
+
+
+def allgather_floats(comm: MPI.Comm, values: Any, what: str, round: int = -1,
+                     timeout: float | None = None) -> np.ndarray:
+    """Every rank's ``values`` (same length on every rank) as float64 rows in
+    rank order, under a deadline. Identical on every rank, so what each rank
+    derives from it (means, iteration counts) agrees bit for bit."""
+    send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    recv = np.empty((comm.Get_size(), send.size), dtype=np.float64)
+    wait_bounded(comm.Iallgather(send, recv), f"wagma bench: allgather {what}".rstrip(),
+                 round, timeout, keep=(send, recv))
+    return recv
+
+
 def time_calls(call: Callable[[], object], iters: int, comm: MPI.Comm,
-               sync: Callable[[], None] | None = None) -> float:
+               sync: Callable[[], None] | None = None, *, timeout: float | None = None,
+               round: int = -1, name: str = "") -> float:
     """Seconds per call for ``iters`` back-to-back calls, started together;
-    ``sync`` (GPU buffers) waits for work the calls only queued."""
-    comm.Barrier()
+    ``sync`` (GPU buffers) waits for work the calls only queued. ``name``,
+    ``round``: what a timeout in the starting barrier names."""
+    barrier(comm, f"before timing {name or 'a call'}", round, timeout)
     t0 = time.perf_counter()
     for _ in range(iters):
         call()
@@ -47,8 +98,10 @@ def alternating(names: Sequence[str], r: int) -> list[str]:
 
 def side_by_side(impls: dict[str, Callable[[], object]], iters: int, warmup: int,
                  rounds: int, comm: MPI.Comm,
-                 sync: Callable[[], None] | None = None) -> dict[str, Timing]:
-    """Time every implementation in alternating rounds; reduce over ranks."""
+                 sync: Callable[[], None] | None = None,
+                 timeout: float | None = None) -> dict[str, Timing]:
+    """Time every implementation in alternating rounds; reduce over ranks.
+    ``timeout`` bounds the benchmark's own barriers and exchanges."""
     for call in impls.values():
         for _ in range(warmup):
             call()
@@ -57,13 +110,13 @@ def side_by_side(impls: dict[str, Callable[[], object]], iters: int, warmup: int
     samples: dict[str, list[float]] = {name: [] for name in impls}
     for r in range(rounds):
         for name in alternating(list(impls), r):
-            samples[name].append(time_calls(impls[name], iters, comm, sync))
-    out = {}
-    for name, values in samples.items():
-        mine = statistics.median(values)
-        gathered = np.array(comm.allgather(mine))
-        out[name] = Timing(float(gathered.mean()), float(gathered.min()), float(gathered.max()))
-    return out
+            samples[name].append(time_calls(impls[name], iters, comm, sync, timeout=timeout,
+                                           round=r, name=name))
+    mine = [statistics.median(values) for values in samples.values()]
+    gathered = allgather_floats(comm, mine, "of the timings", rounds, timeout)
+    return {name: Timing(float(gathered[:, i].mean()), float(gathered[:, i].min()),
+                         float(gathered[:, i].max()))
+            for i, name in enumerate(samples)}
 
 
 def iterations_for(nbytes: int, requested: int | None, budget_bytes: int = 256 << 20) -> int:

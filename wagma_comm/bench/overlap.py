@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from . import check as checking
-from .measure import Timing, alternating, iterations_for
+from .measure import Timing, allgather_floats, alternating, barrier, iterations_for
 
 COMPUTE_KINDS = ("numpy", "python", "sleep")
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
@@ -118,12 +118,12 @@ class Compute:
         for _ in range(chunks):
             self.chunk()
 
-    def calibrate(self, seconds: float, world: Any) -> float:
+    def calibrate(self, seconds: float, world: Any, timeout: float | None = None) -> float:
         """Time chunks for about ``seconds`` (at least 3 chunks), every rank at
-        once; store and return the mean seconds per chunk over ranks.
-        Collective over ``world``."""
+        once; store and return the mean seconds per chunk over ranks (the
+        same on every rank). Collective over ``world``, bounded by ``timeout``."""
         self.chunk()  # first-touch and BLAS set-up stay out of the timing
-        world.Barrier()
+        barrier(world, "before calibrating the compute", timeout=timeout)
         n, t0 = 0, time.perf_counter()
         while True:
             self.chunk()
@@ -131,7 +131,9 @@ class Compute:
             elapsed = time.perf_counter() - t0
             if n >= 3 and elapsed >= seconds:
                 break
-        self.chunk_s = world.allreduce(elapsed / n) / world.Get_size()
+        each = allgather_floats(world, [elapsed / n], "of the compute calibration",
+                                timeout=timeout)
+        self.chunk_s = float(each.sum() / world.Get_size())
         return self.chunk_s
 
     def chunks_for(self, seconds: float) -> int:
@@ -170,16 +172,20 @@ class OverlapResult:
 
 
 def time_overlap_round(post: Callable[[], Any], wait: Callable[[Any], Any],
-                       compute: Callable[[], None], iters: int, world: Any) -> RoundTimes:
+                       compute: Callable[[], None], iters: int, world: Any,
+                       timeout: float | None = None, round: int = -1,
+                       name: str = "") -> RoundTimes:
     """One round on this rank: ``iters`` pure, overlapped and compute-only
-    iterations, each phase started together after a barrier."""
-    world.Barrier()
+    iterations, each phase started together after a barrier (bounded by
+    ``timeout``; ``round`` and ``name`` are what a timeout names)."""
+    of = f" of {name}" if name else ""
+    barrier(world, f"before the pure phase{of}", round, timeout)
     t0 = time.perf_counter()
     for _ in range(iters):
         wait(post())
     pure = (time.perf_counter() - t0) / iters
 
-    world.Barrier()
+    barrier(world, f"before the overlapped phase{of}", round, timeout)
     in_post = in_compute = 0.0
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -193,7 +199,7 @@ def time_overlap_round(post: Callable[[], Any], wait: Callable[[Any], Any],
         in_compute += tc - tb
     overall = (time.perf_counter() - t0) / iters
 
-    world.Barrier()
+    barrier(world, f"before the compute phase{of}", round, timeout)
     t0 = time.perf_counter()
     for _ in range(iters):
         compute()
@@ -201,33 +207,37 @@ def time_overlap_round(post: Callable[[], Any], wait: Callable[[Any], Any],
     return RoundTimes(pure, overall, alone, in_compute / iters, in_post / iters)
 
 
-def summarize(rounds: Sequence[RoundTimes], world: Any) -> OverlapResult:
+def summarize(rounds: Sequence[RoundTimes], world: Any,
+              timeout: float | None = None) -> OverlapResult:
     """Median over this rank's rounds (overlap: median of the rounds'
-    overlaps), then mean/min/max over ranks. Collective."""
+    overlaps), then mean/min/max over ranks. Collective, bounded by ``timeout``."""
     med = {f: statistics.median(getattr(r, f) for r in rounds)
            for f in ("pure", "overall", "compute", "compute_in_overlap", "post")}
     # Overlap per round, then the median: the three times of one round are
     # measured seconds apart, so a shared machine's drifting load cancels out.
     med["overlap"] = statistics.median(overlap_percent(r.overall, r.compute, r.pure)
                                        for r in rounds)
-    everyone = world.allgather(med)
+    fields = list(med)
+    everyone = allgather_floats(world, [med[f] for f in fields], "of the overlap times",
+                                len(rounds), timeout)
     out = {}
-    for f in med:
-        vals = np.array([m[f] for m in everyone], dtype=np.float64)
+    for i, f in enumerate(fields):
+        vals = everyone[:, i]
         out[f] = Timing(float(vals.mean()), float(vals.min()), float(vals.max()))
     return OverlapResult(**out)
 
 
 def measure_overlap(post: Callable[[], Any], wait: Callable[[Any], Any],
                     compute: Callable[[], None], iters: int, world: Any,
-                    rounds: int = 1) -> OverlapResult:
+                    rounds: int = 1, timeout: float | None = None) -> OverlapResult:
     """Overlap of one implementation: ``post()`` starts the collective and
     returns what ``wait`` completes; ``compute()`` runs about one pure
-    communication time. Collective over ``world`` (mpi4py communicator)."""
+    communication time. Collective over ``world`` (mpi4py communicator); its
+    barriers and exchanges time out after ``timeout`` (None: WAGMA_TIMEOUT)."""
     _check_int("iters", iters)
     _check_int("rounds", rounds)
-    return summarize([time_overlap_round(post, wait, compute, iters, world)
-                      for _ in range(rounds)], world)
+    return summarize([time_overlap_round(post, wait, compute, iters, world, timeout, r)
+                      for r in range(rounds)], world, timeout)
 
 
 def _check_int(argument: str, value: Any, minimum: int = 1) -> int:
@@ -243,8 +253,9 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
     """Measure overlap per message size for wagma and MPI_Iallreduce.
 
     ``comm``: a wagma_comm Communicator over ``world`` (an mpi4py communicator,
-    used for barriers, the timing reductions and, via ``Dup()``, MPI's own
-    Iallreduce). ``sizes`` in bytes; ``iters`` per phase and round (0: adaptive,
+    used for barriers and the timing exchanges, which time out after
+    ``comm.timeout``, and, via ``Dup()``, MPI's own Iallreduce). ``sizes`` in
+    bytes; ``iters`` per phase and round (0: adaptive,
     about PHASE_BUDGET_S per phase; a fixed ``iters`` also shortens the compute
     calibration, for tests); ``warmup`` post+wait calls per implementation
     before calibrating; ``rounds`` alternating rounds (median kept);
@@ -282,6 +293,7 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
                                    f"{comm.size}")
 
     rank, size = world.Get_rank(), world.Get_size()
+    timeout = comm.timeout  # the benchmark's own barriers wait as long as a collective
     mpi_op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}.get(op)
     use_mpi = mpi and mpi_op is not None and dt.mpi_name is not None
     peer = world.Dup() if use_mpi else None
@@ -305,15 +317,17 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
             for name, (post, wait) in impls.items():
                 for _ in range(warmup):
                     wait(post())
-                world.Barrier()
+                barrier(world, f"before calibrating {name}", timeout=timeout)
                 t0 = time.perf_counter()
                 for _ in range(n_cal):
                     wait(post())
-                targets[name] = world.allreduce((time.perf_counter() - t0) / n_cal) / size
+                each = allgather_floats(world, [(time.perf_counter() - t0) / n_cal],
+                                        f"of {name}'s pure time", timeout=timeout)
+                targets[name] = float(each.sum() / size)  # the same on every rank
             n = iters or int(min(MAX_ITERS, max(MIN_ITERS,
                                                 PHASE_BUDGET_S // max(targets.values()))))
             kernel.calibrate(max(targets.values()) if iters
-                            else max(CALIBRATE_MIN_S, *targets.values()), world)
+                             else max(CALIBRATE_MIN_S, *targets.values()), world, timeout)
             computes = {name: kernel.callable_for(t) for name, t in targets.items()}
             wrong: dict[str, int] = {}
             for name, (post, wait) in impls.items():
@@ -325,15 +339,18 @@ def run_overlap(comm: Any, world: Any, sizes: Sequence[int] = DEFAULT_SIZES,
                 computes[name]()
                 wait(handle)
                 expected = checking.expected_result("allreduce", range(size), count, op)
-                wrong[name] = world.allreduce(checking.count_wrong(arr, dt, expected))
+                mine = checking.count_wrong(arr, dt, expected)
+                wrong[name] = int(allgather_floats(world, [mine], f"of {name}'s check",
+                                                   timeout=timeout).sum())
             samples: dict[str, list[RoundTimes]] = {name: [] for name in impls}
             for r in range(rounds):
                 for name in alternating(list(impls), r):
                     post, wait = impls[name]
                     samples[name].append(
-                        time_overlap_round(post, wait, computes[name], n, world))
+                        time_overlap_round(post, wait, computes[name], n, world, timeout, r,
+                                           name))
             for name in impls:
-                res = summarize(samples[name], world)
+                res = summarize(samples[name], world, timeout)
                 row: dict[str, Any] = {
                     "nbytes": count * dt.itemsize, "count": count, "dtype": dt.name,
                     "op": op, "impl": name, "compute_kind": compute, "ranks": size,

@@ -106,6 +106,15 @@ def overlap_summary(results: list[dict[str, Any]]) -> str:
                      "dtype MPI cannot reduce)")
     else:
         lines.append("  (16 MiB not in the sweep: the overlap target needs -b/-e to include it)")
+    # The overlapped calls' results, judged as the sweep's summary does: a
+    # high overlap from a collective that computed wrong values is no PASS.
+    checked = [int(r["wrong"]) for r in results if r["wrong"] >= 0]
+    if checked:
+        wrong = sum(checked)
+        lines.append(f"  results checked: {wrong} wrong elements in {len(checked)} checked "
+                     f"results  {_verdict(wrong == 0)}")
+    elif results:
+        lines.append("  results not checked (-c 0): no verdict")
     return "\n".join(lines)
 
 
