@@ -7,8 +7,9 @@ injector (at every step two ranks drawn at random sleep ``DELAY``). A step's
 "compute" is the real forward/backward plus a sleep of ``--compute`` seconds,
 so the run fits a small machine while the imbalance stays comparable to it.
 
-Rank 0 snapshots its own replica after every step (a copy, a few microseconds)
-and evaluates the snapshots after the run, so evaluation never slows training.
+Rank 0 snapshots its own replica (a copy, a few microseconds) after every step,
+or every ``steps // 300``-th in runs of 600 steps or more, and evaluates the
+snapshots after the run, so evaluation never slows training.
 It prints one line per run, then a table averaged over the seeds: final test
 accuracy (after a final global average of the models), wall-clock time to reach
 ``--target`` accuracy, iterations/s and mean wait per iteration; and it saves
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -220,7 +221,11 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
     per_epoch = max(1, len(shard) // o.batch)
     total = iterations if iterations is not None else o.epochs * per_epoch
     rng = np.random.default_rng([seed, rank])
-    snaps: list[tuple[float, Any]] = []
+    # Rank 0 copies its model only at the steps it evaluates (at most ~300 per
+    # run): a copy after every step grew with the run's length (GPU memory
+    # with --device cuda), and all but ~300 were dropped unevaluated.
+    stride = max(1, total // 300)
+    snaps: list[tuple[int, float, Any]] = []  # (iterations done, time, weights)
     vec = torch.nn.utils.parameters_to_vector
     comm.barrier()
     t0 = time.perf_counter()
@@ -237,7 +242,9 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
         F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
         opt.step()
         if rank == 0:
-            snaps.append((time.perf_counter() - t0, vec(model.parameters()).detach()))  # a new tensor
+            if t % stride == 0 or t == total - 1:
+                snaps.append((t + 1, time.perf_counter() - t0,
+                              vec(model.parameters()).detach()))  # a new tensor
             if live and t % 10 == 0:
                 sys.stdout.write(f"\r  {method} seed {seed}: step {t + 1}/{total}")
                 sys.stdout.flush()
@@ -259,13 +266,10 @@ def train(comm: Any, method: str, seed: int, data: Data, o: argparse.Namespace,
         if live:
             sys.stdout.write("\r" + " " * 60 + "\r")
         probe = make_model(o.hidden).to(device)
-        stride = max(1, len(snaps) // 300)  # at most ~300 evaluations per run
-        for i, (t, v) in enumerate(snaps):
-            if i % stride and i != len(snaps) - 1:
-                continue
+        for done, t, v in snaps:
             torch.nn.utils.vector_to_parameters(v, probe.parameters())
             run.times.append(t)
-            run.steps.append(i + 1)
+            run.steps.append(done)
             run.accuracies.append(accuracy(probe, data.x_test, data.y_test))
         run.times.append(elapsed)  # the finalised model closes the curve
         run.steps.append(total)
@@ -388,8 +392,24 @@ def plot(runs: Sequence[Run], target: float, path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"  # not the temporary's
+    try:
+        _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=ext))
+    finally:
+        plt.close(fig)
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """``write`` to a temporary file beside ``path``, then rename it over
+    ``path``: a failure (a full disk) never leaves half a file behind."""
+    head, tail = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(head, f".{tail}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # ------------------------------------------------------------------------------ main
@@ -398,6 +418,7 @@ def plot(runs: Sequence[Run], target: float, path: str, title: str) -> None:
 def check_options(o: argparse.Namespace) -> list[str]:
     """Validate the options (locally, before any communication); returns the methods."""
     from .errors import InvalidArgumentError
+    from .partial.wagma import check_grace
     from .train import METHODS
 
     methods = [m.strip() for m in o.methods.split(",") if m.strip()]
@@ -405,6 +426,8 @@ def check_options(o: argparse.Namespace) -> list[str]:
         if m not in METHODS:
             raise InvalidArgumentError("methods", f"unknown method {m!r}; expected some of "
                                        f"{', '.join(METHODS)}")
+        if methods.count(m) > 1:  # each repeat was averaged in as one more seed
+            raise InvalidArgumentError("methods", f"{m!r} given more than once")
     if not methods:
         raise InvalidArgumentError("methods", "no method given")
     for name in ("seeds", "epochs", "batch", "hidden", "sync_every"):
@@ -431,7 +454,28 @@ def check_options(o: argparse.Namespace) -> list[str]:
         raise InvalidArgumentError("momentum", f"need finite momentum >= 0, got {o.momentum}")
     if o.ranks < 1:  # was: any value below 2 silently ran one rank
         raise InvalidArgumentError("ranks", f"must be >= 1, got {o.ranks}")
+    check_grace(o.grace)  # else found by WAGMA's constructor, after MPI start-up
     return methods
+
+
+def _outputs(o: argparse.Namespace) -> list[Any]:
+    """What rank 0 writes at the end, for the checks before any training
+    (they failed only at the end, after minutes of it)."""
+    from .bench.outputs import data_file, image_file
+
+    return [data_file("json", o.json), image_file("plot", o.plot)]
+
+
+def check_batch(o: argparse.Namespace, train_samples: int, size: int) -> None:
+    """A step takes ``--batch`` samples of the rank's shard: a larger batch
+    silently took the whole shard while the header and the JSON said
+    ``--batch``."""
+    from .errors import InvalidArgumentError
+
+    shard = train_samples // size
+    if o.batch > shard:
+        raise InvalidArgumentError("batch", f"must be <= {shard}, the training samples per "
+                                   f"rank ({train_samples} over {size} ranks), got {o.batch}")
 
 
 def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[str, Any]:
@@ -440,6 +484,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
     import torch
 
     from . import imbalance as imb
+    from .bench.outputs import check_outputs
     from .torch_views import use_local_gpu
     from .train import default_group_size
 
@@ -450,8 +495,10 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         o.group_size = default_group_size(P)
     spec = o.imbalance or f"reference:{o.compute}:2"
     imb.make_injector(spec, P, 0)  # validate before anything runs
+    check_outputs(comm, _outputs(o))
     device = use_local_gpu() if o.device == "cuda" else torch.device("cpu")
     data = load_data(device)
+    check_batch(o, len(data.y_train), P)
     talk = rank == 0 and not o.quiet
     live = talk and out.isatty() if hasattr(out, "isatty") else False
     if talk:
@@ -462,10 +509,13 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
               f"grace {o.grace:g}), "
               f"{o.shards} shards, {device}, seeds "
               f"0..{o.seeds - 1}", file=out, flush=True)
-    # Warm-up (untimed): JIT-compiled kernels, schedules and channels.
+    # Warm-up (untimed): JIT-compiled kernels, schedules and channels; a sync
+    # round if the run has one (it ran sync_every + 2 iterations whatever the
+    # run's length: with --sync-every 100000, far longer than the run).
     none = imb.make_injector("none", P, 0)
+    iterations = o.epochs * max(1, len(data.y_train) // P // o.batch)  # as train() counts
     for m in methods:
-        train(comm, m, 0, data, o, none, iterations=o.sync_every + 2)
+        train(comm, m, 0, data, o, none, iterations=min(o.sync_every + 2, iterations))
     runs: list[Run] = []
     total = len(methods) * o.seeds
     started = time.perf_counter()
@@ -497,12 +547,16 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         print(file=out)
         for line in result["targets"]:
             print(line, file=out)
+        if o.json:  # before the plot, so a failing plot cannot lose the measurements
+            def dump(tmp: str) -> None:
+                with open(tmp, "w") as fh:
+                    json.dump(result, fh, indent=1)
+
+            os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
+            _write_atomically(o.json, dump)
         if o.plot:
             plot(runs, o.target, o.plot, title)
             print(f"plot: {o.plot}", file=out)
-        if o.json:
-            with open(o.json, "w") as fh:
-                json.dump(result, fh, indent=1)
         out.flush()
     return result
 
@@ -526,6 +580,9 @@ def _relaunch(ranks: int) -> int | None:
 def run(args: argparse.Namespace) -> int:
     check_options(args)
     if args.ranks > 1 and not _under_mpiexec() and "demo" in sys.argv[1:]:
+        from .bench.outputs import output_problem, raise_output_problem
+
+        raise_output_problem(output_problem(_outputs(args)))  # rank 0, before mpiexec
         if _relaunch(args.ranks) is None:
             print("# no mpiexec found: running on 1 rank", file=sys.stderr)
     import wagma_comm

@@ -429,3 +429,21 @@ def test_a_rank_missing_from_a_timed_round_is_a_timeout() -> None:
         assert WORLD.allgather(timings) == [timings] * SIZE
     finally:
         dup.Free()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_an_output_rank_0_cannot_write_fails_on_every_rank_before_measuring(
+        shared_dir: str, flag: str) -> None:
+    """Before session 45 the whole sweep ran, then rank 0 alone failed with a
+    bare FileExistsError from the writer (the others exited 0)."""
+    from wagma_comm.errors import InvalidArgumentError
+
+    blocker = os.path.join(shared_dir, "a-file")
+    if RANK == 0:
+        with open(blocker, "w"):
+            pass
+    WORLD.Barrier()
+    with pytest.raises(InvalidArgumentError) as info:
+        _bench(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-r", "1", "--vs", "none",
+                flag, os.path.join(blocker, "out.png")])
+    assert info.value.argument == flag

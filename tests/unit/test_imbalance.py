@@ -416,16 +416,18 @@ def test_bench_injector_specs() -> None:
 def test_bench_output_problems_found_before_measuring(tmp_path) -> None:
     """Rank 0's --json/--plot that it could not write at the end: found at the start."""
     from wagma_comm.bench import imbalance as bench
+    from wagma_comm.bench.outputs import output_problem
 
     (tmp_path / "a-file").write_text("")
     under_a_file = str(tmp_path / "a-file" / "out.json")
-    problem = bench._output_problem(_bench_args("--json", under_a_file))
+    problem = output_problem(bench._outputs(_bench_args("--json", under_a_file)))
     assert problem is not None and problem[1] == "--json" and "cannot create" in problem[2]
     nested = tmp_path / "new" / "dir" / "out.json"  # made, as for --plot
-    assert bench._output_problem(_bench_args("--json", str(nested))) is None
+    assert output_problem(bench._outputs(_bench_args("--json", str(nested)))) is None
     assert nested.parent.is_dir()
-    problem = bench._output_problem(_bench_args("--json", str(tmp_path)))
+    problem = output_problem(bench._outputs(_bench_args("--json", str(tmp_path))))
     assert problem is not None and problem[1] == "--json" and "directory" in problem[2]
-    problem = bench._output_problem(_bench_args("--plot", str(tmp_path / "p.nosuchformat")))
+    bad_image = str(tmp_path / "p.nosuchformat")
+    problem = output_problem(bench._outputs(_bench_args("--plot", bad_image)))
     assert problem is not None and problem[1] == "--plot"
-    assert bench._output_problem(_bench_args("--json", str(tmp_path / "ok.json"))) is None
+    assert output_problem(bench._outputs(_bench_args("--json", str(tmp_path / "ok.json")))) is None

@@ -363,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
     from wagma_comm import dtypes, groups
 
     from . import peers as peers_mod
+    from .outputs import check_outputs, data_file, image_file
     from .progress import Progress
 
     if args.collective == "imbalance":  # reached only with options before it
@@ -378,7 +379,13 @@ def run(args: argparse.Namespace) -> int:
     comm = wagma_comm.init()
     rank, size = comm.rank, comm.size
     gsize = args.group_size or max(1, size // 2)
-    groups.check_group_size(size, gsize, "--group-size")
+    try:
+        groups.check_group_size(size, gsize, "--group-size")
+        check_outputs(comm, [data_file("--json", args.json), data_file("--csv", args.csv),
+                             image_file("--plot", args.plot)])
+    except BaseException:
+        comm.close()
+        raise
     ctx = Context(args, comm, world, dtype,
                   peers_mod.make_peers(peers_mod.parse_vs(args.vs), world, args.device,
                                        comm.timeout),

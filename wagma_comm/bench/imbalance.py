@@ -147,33 +147,19 @@ def injector_specs(args: argparse.Namespace, size: int) -> list[str]:
     return specs
 
 
-def _output_problem(args: argparse.Namespace) -> tuple[str, str, str] | None:
-    """(error class, option, message) when rank 0 could not write ``--json`` or
-    ``--plot`` at the end, found before minutes of measuring are lost."""
-    from ..errors import InvalidArgumentError, UnsupportedError
-    from . import plot
+def _outputs(args: argparse.Namespace) -> list[Any]:
+    """What rank 0 writes at the end, checked before minutes of measuring."""
+    from .outputs import data_file, image_file
 
-    for flag, path, check in (("--json", args.json, plot.check_output_path),
-                              ("--plot", args.plot, plot.check_image_path)):
-        if path is None:
-            continue
-        try:
-            check(path, flag)
-        except (InvalidArgumentError, UnsupportedError) as exc:
-            return type(exc).__name__, flag, str(exc).removeprefix(f"{flag}: ")
-    return None
+    return [data_file("--json", args.json), image_file("--plot", args.plot)]
 
 
 def check_outputs(comm: Any, args: argparse.Namespace) -> None:
     """Collective: rank 0 checks that it can write ``--json``/``--plot``; every
     rank raises the same typed error if not."""
-    from ..errors import InvalidArgumentError, UnsupportedError
+    from .outputs import check_outputs as check
 
-    problem = comm_allgather(comm, _output_problem(args) if comm.rank == 0 else None)[0]
-    if problem is not None:
-        kind, flag, message = problem
-        error = UnsupportedError if kind == "UnsupportedError" else InvalidArgumentError
-        raise error(flag, message)
+    check(comm, _outputs(args))
 
 
 def _loop(comm: Any, method: str, model: np.ndarray, args: argparse.Namespace,
