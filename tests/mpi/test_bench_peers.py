@@ -9,6 +9,7 @@ maxima are exact, only avg rounds, and integer avg must floor (not truncate).
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any, Iterator
 
@@ -237,3 +238,154 @@ def test_broadcast_root_must_be_an_int_rank(peers: dict[str, Peer], peer: str,
     with pytest.raises(InvalidArgumentError) as err:
         peers[peer].broadcast(arr, root)  # type: ignore[arg-type]
     assert err.value.argument == "root"
+
+
+# -- regressions (review session 45) ----------------------------------------------
+# A blocking MPI or torch call that one rank never joins used to hang: these
+# tests run under a thread timeout, so the old hang fails the job.
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank with bad arguments and one without")
+@pytest.mark.parametrize("peer", HOST_PEERS)
+def test_group_allreduce_bad_ranks_on_one_rank_fail_on_all(peers: dict[str, Peer],
+                                                           peer: str) -> None:
+    # Rank 0 raised InvalidArgumentError locally while the others blocked for
+    # ever in MPI_Comm_split (mpi) or torch's new_group (gloo: until its
+    # timeout, then an untyped torch error).
+    partition = [list(range(SIZE))]
+    arr = inputs(RANK, "float32", seed=9)
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError) as err:
+        peers[peer].group_allreduce(arr, "sum", [SIZE] if RANK == 0 else list(range(SIZE)),
+                                    partition)
+    assert err.value.argument == "ranks"
+    assert time.monotonic() - started < TIMEOUT_S / 2  # refused, not timed out
+    if RANK != 0:
+        assert "rank 0" in str(err.value)
+    # Nothing was created and the peer still works on the same partition.
+    call = peers[peer].group_allreduce(arr, "sum", list(range(SIZE)), partition)
+    assert call is not None
+    call()
+    check(arr, list(range(SIZE)), "float32", "sum", seed=9)
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.skipif(SIZE < 2, reason="needs two partitions")
+@pytest.mark.parametrize("peer", HOST_PEERS)
+def test_group_allreduce_refuses_partitions_that_differ(peers: dict[str, Peer],
+                                                        peer: str) -> None:
+    # Rank 0 passed singletons, the others the whole world. MPI_Comm_split put
+    # rank 0 (color 0 either way) in a group with rank 1: rank 0's "alone"
+    # reduction summed over two ranks, silently. gloo's new_group counts differed.
+    mine = [[r] for r in range(SIZE)] if RANK == 0 else [list(range(SIZE))]
+    ranks = [RANK] if RANK == 0 else list(range(SIZE))
+    arr = inputs(RANK, "float32", seed=10)
+    with pytest.raises(InvalidArgumentError) as err:
+        peers[peer].group_allreduce(arr, "sum", ranks, mine)
+    assert err.value.argument == "partition"
+    assert "same partition" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [[[0.5 + r] for r in range(SIZE)], [["0"] + list(range(1, SIZE))],
+                                 [[False] + list(range(1, SIZE))], 7],
+                         ids=["float", "str", "bool", "int"])
+def test_group_allreduce_partition_must_be_int_ranks(peers: dict[str, Peer], bad: Any) -> None:
+    # int() made [[0.5], [1.5]] the singletons, ["0", 1] and [False, 1] the
+    # whole world (a partition nobody passed was used); an int partition
+    # raised an untyped TypeError. ``ranks`` is this rank's group in what
+    # int() made of it, so only the partition is wrong.
+    ranks = [RANK] if isinstance(bad, list) and len(bad) == SIZE else list(range(SIZE))
+    arr = inputs(RANK, "float32", seed=11)
+    with pytest.raises(InvalidArgumentError) as err:
+        peers["mpi"].group_allreduce(arr, "sum", ranks, bad)
+    assert err.value.argument == "partition"
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.skipif(SIZE < 2, reason="needs ranks that ask for different peers")
+@pytest.mark.parametrize("theirs", [("mpi", "none"), ("gloo", "nccl"), ("gloo", "gloo,mpi")],
+                         ids=["mpi/none", "gloo/nccl", "gloo/gloo+mpi"])
+def test_make_peers_refuses_names_that_differ(theirs: tuple[str, str]) -> None:
+    # Rank 0 went alone into a collective the others never called: MPI's Dup
+    # (mpi), the TCPStore bootstrap (gloo against an unavailable nccl), or the
+    # process group of another backend (gloo against nccl, with a GPU).
+    if "gloo" in theirs[0]:
+        pytest.importorskip("torch")
+    started = time.monotonic()
+    with pytest.raises(InvalidArgumentError) as err:
+        make_peers(theirs[0] if RANK == 0 else theirs[1], WORLD, timeout=TIMEOUT_S)
+    assert err.value.argument == "--vs"
+    assert "same peers" in str(err.value) and ("rank 0" if RANK else "rank 1") in str(err.value)
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    made = make_peers("mpi", WORLD, timeout=TIMEOUT_S)  # nothing half made is in the way
+    close_peers(made)
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.parametrize("timeout", [1e10, 1e15])
+def test_huge_torch_timeout_is_clamped(timeout: float) -> None:
+    # torch keeps deadlines in int64 nanoseconds: 1e10 s made the TCPStore time
+    # out at once (UnsupportedError), 9e9 s hung, 1e15 s overflowed timedelta.
+    pytest.importorskip("torch")
+    (gloo,) = make_peers("gloo", WORLD, timeout=timeout)
+    try:
+        assert gloo.reason is None
+        arr = inputs(RANK, "float32", seed=12)
+        call = gloo.group_allreduce(arr, "sum", list(range(SIZE)), [list(range(SIZE))])
+        assert call is not None
+        call()
+        check(arr, list(range(SIZE)), "float32", "sum", seed=12)
+    finally:
+        gloo.close()
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a late rank")
+def test_mpi_nb_timeout_keeps_the_abandoned_buffer() -> None:
+    # The abandoned MPI_Iallreduce still writes into its buffer when the late
+    # ranks come; the peer kept no reference, so once the caller dropped the
+    # buffer MPI wrote into whatever reused that memory (here: a new array).
+    count = 1 << 17  # 512 KiB: its own mapping, reused by the next of that size
+    (peer,) = make_peers("mpi-nb", WORLD, timeout=0.5 if RANK == 0 else 30.0)
+    try:
+        arr = np.ones(count, np.float32)
+        call = peer.allreduce(arr, "sum")
+        assert call is not None
+        if RANK == 0:
+            with pytest.raises(CollectiveTimeoutError):
+                call()
+            del arr, call
+            gc.collect()
+            victim = np.zeros(count, np.float32)
+            go = [WORLD.isend(None, dest=r, tag=45) for r in range(1, SIZE)]
+            _wait_all(go)
+        else:
+            _wait_all([WORLD.irecv(source=0, tag=45)])
+            call()  # completes rank 0's abandoned call
+            np.testing.assert_array_equal(arr, SIZE)
+        _wait_all([WORLD.Ibarrier()])  # drives rank 0's MPI progress
+        if RANK == 0:
+            assert not np.any(victim), "MPI wrote into memory the peer had let go"
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(120, method="thread")
+@pytest.mark.skipif(SIZE < 2, reason="needs a missing rank")
+def test_group_allreduce_names_a_rank_that_never_calls() -> None:
+    # Rank 0 never creates the groups: the others blocked for ever in
+    # MPI_Comm_split. Now a timeout naming the call, its round and rank 0,
+    # after which the peer refuses (its receives for rank 0 are still posted).
+    (peer,) = make_peers("mpi", WORLD, timeout=3.0)
+    try:
+        if RANK != 0:
+            arr = inputs(RANK, "float32", seed=13)
+            with pytest.raises(CollectiveTimeoutError) as err:
+                peer.group_allreduce(arr, "sum", list(range(SIZE)), [list(range(SIZE))])
+            assert err.value.collective == "mpi group_allreduce"
+            assert err.value.round == 1 and err.value.ranks == (0,)
+            assert "broken" in (peer.why_not(arr, "sum") or "")
+            assert peer.group_allreduce(arr, "sum", list(range(SIZE)),
+                                        [list(range(SIZE))]) is None
+        _wait_all([WORLD.Ibarrier()])
+    finally:
+        peer.close()

@@ -22,7 +22,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import check_timeout, default_timeout
-from ..errors import CollectiveTimeoutError
 
 
 @dataclass
@@ -34,27 +33,22 @@ class Timing:
     max: float
 
 
-# Requests abandoned by a timeout, with their buffers: never freed, since
-# freeing an active collective's request is erroneous in MPI (the run is over).
-_ABANDONED: list[Any] = []
-
-
 def wait_bounded(req: MPI.Request, what: str, round: int = -1,
                  timeout: float | None = None, keep: Any = None) -> None:
-    """Test ``req`` until it completes; past ``timeout`` seconds (None:
-    ``WAGMA_TIMEOUT``, else 300 s) raise CollectiveTimeoutError naming ``what``
-    and ``round``. An MPI request cannot tell which rank is missing, so the
-    error names none. ``keep``: buffers the request still uses."""
+    """Test ``req`` until it completes (spinning, as MPI's blocking calls
+    do: a nap would let ranks leave a barrier up to a nap apart); past
+    ``timeout`` seconds (None: ``WAGMA_TIMEOUT``, else 300 s) raise
+    CollectiveTimeoutError naming ``what`` and ``round``. An MPI request
+    cannot tell which rank is missing, so the error names none. ``keep``:
+    buffers the request still uses, kept alive if it is abandoned."""
+    from ..transport.mpi import wait_with_deadline
+
     if req.Test():
         return
     limit = check_timeout(default_timeout(timeout))
-    end = time.monotonic() + limit
-    while not req.Test():
-        if time.monotonic() > end:
-            _ABANDONED.append((req, keep))
-            raise CollectiveTimeoutError(
-                what, round, [], f"not every rank came within {limit:g} s (an MPI "
-                "request cannot name the missing ranks)")
+    wait_with_deadline(req, keep, time.monotonic() + limit, what, nap_limit=0, round=round,
+                       detail=f"not every rank came within {limit:g} s (an MPI request "
+                       "cannot name the missing ranks)")
 
 
 def barrier(comm: MPI.Comm, what: str, round: int = -1,

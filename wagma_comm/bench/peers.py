@@ -47,21 +47,29 @@ and left alone).
 Timeouts (a finite number of seconds): gloo and nccl collectives run under the
 process group's timeout; mpi-nb waits with a deadline and raises
 CollectiveTimeoutError, after which the peer is broken (its abandoned request
-is still posted): later calls raise CommunicatorClosedError. MPI_Allreduce
+is still posted, and it and its buffer are kept referenced): later calls raise
+CommunicatorClosedError. MPI_Allreduce
 and MPI_Bcast (peer ``mpi``) cannot be given one: they are the reference being
 measured, so they stay the plain blocking calls.
 
 A torch peer that cannot run on some rank (no torch, no GPU there) is
 unavailable on every rank, its ``reason`` naming that rank.
 
-Every factory (``allreduce``, ``group_allreduce``, ``broadcast``) is collective
-when it creates communicators or process groups (the first group_allreduce for
-a partition): call it on every rank, in the same order, like the collective.
+``make_peers`` and ``group_allreduce`` are collective (call them on every rank,
+in the same order, like the collective), and each starts with a small exchange
+under the timeout: ranks that ask for different peers, or pass different
+partitions, or a bad argument on one rank, raise InvalidArgumentError on every
+rank, naming the argument, and a rank that never calls becomes a
+CollectiveTimeoutError naming it, instead of the others blocking for ever in
+MPI_Comm_dup/MPI_Comm_split or torch's process group set-up. ``allreduce`` and
+``broadcast`` factories are local. torch timeouts above TORCH_TIMEOUT_MAX_S
+(1e9 s) are clamped to it: torch's deadlines overflow from about 9e9 s.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import numbers
 import socket
 import time
@@ -89,6 +97,11 @@ Partition = Sequence[Sequence[int]]
 PEER_NAMES: tuple[str, ...] = ("mpi", "mpi-nb", "gloo", "nccl")
 HOST_PEERS: tuple[str, ...] = ("mpi", "mpi-nb", "gloo")
 DEFAULT_TIMEOUT_S = 300.0
+# torch turns a timeout into a steady-clock deadline in int64 nanoseconds
+# (about 9.2e9 s): from about 9e9 s a deadline wrapped, so a collective hung
+# for ever or failed at once, and from 8.64e13 s timedelta() overflowed. Longer
+# timeouts are clamped to this (31 years, "never" for a benchmark).
+TORCH_TIMEOUT_MAX_S = 1e9
 
 _MPI_DTYPES = ("float32", "float64", "int32", "int64", "uint8")
 _MPI_OPS = {"sum": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
@@ -174,21 +187,150 @@ def _check_root(root: Any, size: int) -> int:
     return int(root)
 
 
-def _canonical(partition: Partition, size: int, rank: int,
-               ranks: Sequence[int]) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """Validate a partition of range(size); returns it sorted and the index of
-    this rank's group. Every rank sorts alike, so collective creation orders match."""
-    groups = tuple(sorted(tuple(sorted(int(r) for r in g)) for g in partition))
+def _ints(values: Any, argument: str, what: str) -> tuple[int, ...]:
+    """``values`` as sorted int ranks; a float (1.5 was truncated to 1), a
+    bool or a non-iterable raises InvalidArgumentError naming ``argument``."""
+    try:
+        items = list(values)
+    except TypeError:
+        items = None
+    if items is None or any(isinstance(r, bool) or not isinstance(r, numbers.Integral)
+                            for r in items):
+        raise InvalidArgumentError(argument, f"{what} must be int ranks, got {values!r}")
+    return tuple(sorted(int(r) for r in items))
+
+
+def _partition_key(partition: Partition, size: int) -> tuple[tuple[int, ...], ...]:
+    """Validate a partition of range(size); returns it sorted. Every rank
+    sorts alike, so collective creation orders match."""
+    try:
+        listed = list(partition)
+    except TypeError:
+        listed = None
+    if listed is None or isinstance(partition, (str, bytes)):
+        raise InvalidArgumentError("partition", f"expected groups of ranks, got {partition!r}")
+    groups = tuple(sorted(_ints(g, "partition", "each group") for g in listed))
     flat = [r for g in groups for r in g]
     if sorted(flat) != list(range(size)) or any(len(g) == 0 for g in groups):
         raise InvalidArgumentError(
             "partition", f"must split ranks 0..{size - 1} into disjoint non-empty groups, "
-            f"got {[list(g) for g in partition]}")
-    mine = tuple(sorted(int(r) for r in ranks))
+            f"got {[list(g) for g in groups]}")
+    return groups
+
+
+def _color(groups: tuple[tuple[int, ...], ...], rank: int, ranks: Sequence[int]) -> int:
+    """The index of this rank's group, which ``ranks`` must be."""
+    mine = _ints(ranks, "ranks", "ranks")
     if mine not in groups or rank not in mine:
         raise InvalidArgumentError(
             "ranks", f"must be this rank's ({rank}) group in the partition, got {list(ranks)}")
-    return groups, groups.index(mine)
+    return groups.index(mine)
+
+
+class _Exchange:
+    """Small exchanges of picklable values among every rank of ``comm``, each
+    under a deadline: a rank that never takes part becomes a
+    CollectiveTimeoutError naming it, not a hang. Point to point (so the
+    missing ranks are known), on a communicator whose collectives it never
+    matches. A timeout breaks it: its abandoned receives stay posted (kept
+    referenced), so a later round could match the late ranks' messages."""
+
+    def __init__(self, comm: MPI.Comm, timeout: float) -> None:
+        self.comm = comm
+        self.timeout = timeout
+        self.round = 0
+        self.broken: str | None = None
+
+    def allgather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's ``value``, in rank order (collective). ``value`` must
+        pickle to less than 32 KiB, the buffer mpi4py's irecv() receives into."""
+        from ..transport.mpi import ABANDONED
+
+        if self.broken is not None:
+            raise CommunicatorClosedError(self.broken)
+        self.round += 1
+        comm, rank = self.comm, self.comm.Get_rank()
+        others = [r for r in range(comm.Get_size()) if r != rank]
+        tag = self.round & 0x7FFF  # MPI guarantees tags up to 32767
+        sends = [comm.isend(value, dest=r, tag=tag) for r in others]
+        receives = {r: comm.irecv(source=r, tag=tag) for r in others}
+        got = {rank: value}
+        end, nap = time.monotonic() + self.timeout, 0.0
+        while True:
+            for r, req in list(receives.items()):
+                done, msg = req.test()
+                if done:
+                    got[r] = msg
+                    del receives[r]
+            sends = [req for req in sends if not req.test()[0]]
+            if not receives and not sends:
+                return [got[r] for r in range(comm.Get_size())]
+            if time.monotonic() > end:
+                ABANDONED.extend((None, req) for req in [*sends, *receives.values()])
+                self.broken = (f"broken by {what} (round {self.round}) timing out after "
+                               f"{self.timeout:g} s")
+                raise CollectiveTimeoutError(
+                    what, self.round, receives.keys(),
+                    f"not every rank took part within {self.timeout:g} s")
+            nap = min(1e-3, nap * 2 or 2e-5)  # ranks may outnumber cores
+            time.sleep(nap)
+
+    def free(self) -> None:
+        """Free the communicator, unless a timeout left requests on it."""
+        if self.broken is None:
+            self.comm.Free()
+
+
+def _agree_on_groups(exchange: _Exchange, buf: Any, op: str, partition: Partition,
+                     ranks: Sequence[int], rank: int, size: int,
+                     what: str) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """Validate a group_allreduce call; returns the sorted partition and the
+    index of this rank's group.
+
+    Collective: the caller may go on to create the partition's groups,
+    collectively over all ranks, so every rank first exchanges its verdict
+    (under the deadline). A bad argument on one rank then raises on every
+    rank, naming the argument, instead of leaving the others blocked in the
+    creation; ranks that passed another partition are refused alike (their
+    groups would silently differ, or one rank would create and one reuse).
+    Every call, not only the creating one: whether a partition is cached
+    differs between ranks exactly when they passed different ones."""
+    key: tuple[tuple[int, ...], ...] | None = None
+    color = -1
+    error: BufferError | InvalidArgumentError | None = None
+    try:
+        _check_writable(buf)
+        dtypes.check_op(op)
+        key = _partition_key(partition, size)
+        color = _color(key, rank, ranks)
+    except (BufferError, InvalidArgumentError) as exc:
+        error = exc
+    verdict = None if error is None else (type(error).__name__, error.argument,
+                                          str(error)[:2000])
+    digest = None if key is None else hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+    try:
+        table = exchange.allgather((verdict, digest), what)
+    except CollectiveTimeoutError as exc:
+        if error is not None:
+            raise error from exc
+        raise
+    if error is not None:
+        raise error
+    bad = [r for r, (v, _) in enumerate(table) if v is not None]
+    if bad:
+        kind, argument, text = table[bad[0]][0]
+        cls = BufferError if kind == "BufferError" else InvalidArgumentError
+        raise cls(argument, f"refused on rank{'s' if len(bad) > 1 else ''} "
+                            f"{', '.join(map(str, bad))} (rank {bad[0]}: {text}); "
+                            "no groups were created")
+    differ = [r for r, (_, d) in enumerate(table) if d != digest]
+    if differ:
+        raise InvalidArgumentError(
+            "partition", f"every rank must pass the same partition: rank"
+            f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} passed "
+            f"another than this rank's {[list(g) for g in key or ()]}")
+    assert key is not None
+    return key, color
 
 
 # -- the interface --------------------------------------------------------------
@@ -222,7 +364,9 @@ class Peer:
 
         ``partition`` lists every group (a partition of the world); the first
         call for a partition creates one communicator per group, collectively
-        over all ranks, and caches them.
+        over all ranks, and caches them. Every call is collective: the ranks
+        first agree (under the timeout) that they passed the same valid
+        partition, so bad arguments on any rank raise on every rank.
         """
         raise NotImplementedError
 
@@ -247,11 +391,16 @@ class MPIPeer(Peer):
     never match wagma's (which runs on the same world)."""
 
     def __init__(self, world: MPI.Comm, nonblocking: bool, timeout: float) -> None:
+        from ..transport.mpi import dup_with_deadline
+
         super().__init__()
         self.name = "mpi-nb" if nonblocking else "mpi"
         self._nb = nonblocking
         self._timeout = check_timeout(timeout)
-        self._comm: MPI.Comm | None = world.Dup()
+        self._comm: MPI.Comm | None = dup_with_deadline(world, self._timeout, "make_peers")
+        # group_allreduce's agreement, point to point on the Dup (never
+        # matched against its collectives).
+        self._setup = _Exchange(self._comm, self._timeout)
         self._groups: dict[tuple[tuple[int, ...], ...], MPI.Comm] = {}
         self._round = 0  # nonblocking calls started, timed out or not
         self._broken: str | None = None  # why, after a timeout
@@ -260,8 +409,8 @@ class MPIPeer(Peer):
         _check_writable(buf)
         if self._comm is None:
             return "closed"
-        if self._broken is not None:
-            return self._broken
+        if self._broken is not None or self._setup.broken is not None:
+            return self._broken or self._setup.broken
         if _host_array(buf) is None:
             return f"{self.name} works on host memory; this buffer is on a GPU"
         row = _dtype_of(buf)
@@ -274,23 +423,28 @@ class MPIPeer(Peer):
             return f"MPI cannot reduce {row.name} (no standard MPI datatype)"
         return None
 
-    def _wait(self, start: Callable[[], MPI.Request], what: str) -> None:
+    def _wait(self, start: Callable[[], MPI.Request], what: str, uses: Any) -> None:
         """Start a nonblocking collective and MPI_Test it until done or the
         timeout passes. A timeout breaks the peer: the abandoned request stays
-        posted, so a later call would be matched against it by the late ranks."""
+        posted, so a later call would be matched against it by the late ranks;
+        it and the buffer it ``uses`` stay referenced, since MPI writes into
+        that buffer when the late ranks come (freed, into whatever reused it)."""
+        from ..transport.mpi import wait_with_deadline
+
         if self._broken is not None:
             raise CommunicatorClosedError(f"{self.name}: {self._broken}")
         self._round += 1
         req = start()
         if req.Test():
             return
-        end = time.monotonic() + self._timeout
-        while not req.Test():
-            if time.monotonic() > end:
-                self._broken = (f"broken by {what} (round {self._round}) timing out "
-                                f"after {self._timeout} s")
-                raise CollectiveTimeoutError(
-                    what, self._round, [], f"{self.name}: not complete after {self._timeout} s")
+        try:  # spinning, as MPI_Allreduce does: the peer is measured
+            wait_with_deadline(req, uses, time.monotonic() + self._timeout, what, nap_limit=0,
+                               round=self._round,
+                               detail=f"{self.name}: not complete after {self._timeout} s")
+        except CollectiveTimeoutError:
+            self._broken = (f"broken by {what} (round {self._round}) timing out "
+                            f"after {self._timeout} s")
+            raise
 
     def _reduce(self, comm: MPI.Comm, buf: Any, op: str, what: str) -> Call | None:
         from mpi4py import MPI
@@ -307,7 +461,7 @@ class MPIPeer(Peer):
         avg = op == "avg"
         if self._nb:
             def call() -> None:
-                self._wait(lambda: comm.Iallreduce(MPI.IN_PLACE, target, mop), what)
+                self._wait(lambda: comm.Iallreduce(MPI.IN_PLACE, target, mop), what, target)
                 if avg:
                     _divide(arr, n, row)
         elif avg:
@@ -326,11 +480,14 @@ class MPIPeer(Peer):
 
     def group_allreduce(self, buf: Any, op: str, ranks: Sequence[int],
                         partition: Partition) -> Call | None:
-        if self._comm is None:
-            return None
-        key, color = _canonical(partition, self._comm.Get_size(), self._comm.Get_rank(), ranks)
+        if self._comm is None or self._broken is not None or self._setup.broken is not None:
+            return None  # why_not says why
+        rank = self._comm.Get_rank()
+        key, color = _agree_on_groups(self._setup, buf, op, partition, ranks,
+                                      rank, self._comm.Get_size(),
+                                      f"{self.name} group_allreduce")
         if key not in self._groups:  # collective over all ranks of the Dup
-            self._groups[key] = self._comm.Split(color, self._comm.Get_rank())
+            self._groups[key] = self._comm.Split(color, rank)
         return self._reduce(self._groups[key], buf, op, "MPI_Iallreduce(group)")
 
     def broadcast(self, buf: Any, root: int) -> Call | None:
@@ -344,7 +501,7 @@ class MPIPeer(Peer):
         assert arr is not None
         target = [arr.reshape(-1).view(np.uint8), MPI.BYTE]
         if self._nb:
-            return lambda: self._wait(lambda: comm.Ibcast(target, root), "MPI_Ibcast")
+            return lambda: self._wait(lambda: comm.Ibcast(target, root), "MPI_Ibcast", target)
         return lambda: comm.Bcast(target, root)
 
     def version(self) -> str:
@@ -363,6 +520,11 @@ class MPIPeer(Peer):
             self._comm = None
 
 
+def _timedelta(timeout: float) -> datetime.timedelta:
+    """torch's form of ``timeout`` seconds, clamped to TORCH_TIMEOUT_MAX_S."""
+    return datetime.timedelta(seconds=min(timeout, TORCH_TIMEOUT_MAX_S))
+
+
 class _TorchSession:
     """The default torch.distributed process group, bootstrapped over MPI and
     shared (reference-counted) by the torch peers of this process."""
@@ -372,22 +534,18 @@ class _TorchSession:
     store: Any = None
 
     @classmethod
-    def acquire(cls, world: MPI.Comm, backend: str, timeout: float) -> None:
-        """Collective: every rank calls it with the same backend."""
+    def acquire(cls, setup: _Exchange, backend: str, timeout: float, users: int) -> None:
+        """Collective: every rank calls it with the same backend, for ``users``
+        peers (make_peers agreed on both and on torch.distributed's state)."""
         import torch.distributed as dist
 
-        if cls.users == 0 and not dist.is_initialized():
-            cls.store = _bootstrap_store(world, timeout)
-            dist.init_process_group(
-                backend, store=cls.store, rank=world.Get_rank(), world_size=world.Get_size(),
-                timeout=datetime.timedelta(seconds=timeout))
-            cls.owned = True
-        elif dist.get_world_size() != world.Get_size() or dist.get_rank() != world.Get_rank():
-            raise UnsupportedError(
-                "--vs", f"torch.distributed is already initialised with rank "
-                f"{dist.get_rank()} of {dist.get_world_size()}, not as MPI's rank "
-                f"{world.Get_rank()} of {world.Get_size()}")
-        cls.users += 1
+        if not dist.is_initialized():
+            rank, size = setup.comm.Get_rank(), setup.comm.Get_size()
+            store = _bootstrap_store(setup, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                    timeout=_timedelta(timeout))
+            cls.store, cls.owned = store, True
+        cls.users += users
 
     @classmethod
     def release(cls) -> None:
@@ -400,19 +558,65 @@ class _TorchSession:
             cls.store = None
 
 
-def _bootstrap_store(world: MPI.Comm, timeout: float) -> Any:
-    """A TCPStore on rank 0, reached by every rank; address and port go over MPI.
+def _torch_state() -> tuple[bool, str, int, int] | None:
+    """(initialised, backend, rank, size) of torch.distributed here; None
+    without it."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        return (False, "", -1, -1)
+    return (True, str(dist.get_backend()), dist.get_rank(), dist.get_world_size())
 
-    Rank 0 broadcasts either (address, port) or its error, so a failure to open
-    the store raises on every rank instead of leaving the others in the bcast.
+
+def _check_torch_states(states: Sequence[tuple[bool, str, int, int] | None],
+                        usable: Sequence[str]) -> None:
+    """Raise UnsupportedError (on every rank: ``states`` are every rank's) when
+    the process group the torch peers would share cannot serve them: made on
+    some ranks only (the others would wait in the bootstrap), as other ranks,
+    or without a backend a peer needs (an earlier gloo session asked for nccl:
+    every call would fail)."""
+    size = len(states)
+    made = [r for r, st in enumerate(states) if st is not None and st[0]]
+    if not made:
+        return
+    if len(made) != size:
+        rest = [r for r in range(size) if r not in made]
+        raise UnsupportedError(
+            "--vs", f"torch.distributed is initialised on ranks {made} but not on {rest}: "
+            "initialise it on every rank or on none")
+    for r, st in enumerate(states):
+        assert st is not None
+        if (st[2], st[3]) != (r, size):
+            raise UnsupportedError(
+                "--vs", f"torch.distributed is already initialised with rank {st[2]} of "
+                f"{st[3]} on MPI's rank {r} of {size}")
+        for name in usable:
+            if name not in st[1]:
+                raise UnsupportedError(
+                    "--vs", f"torch.distributed is already initialised with backend "
+                    f"{st[1]!r} (rank {r}), which has no {name}: close the peers or "
+                    f"process group using it first")
+
+
+def _bootstrap_store(setup: _Exchange, timeout: float) -> Any:
+    """A TCPStore on rank 0, reached by every rank; address and port go over
+    MPI, under the deadline.
+
+    Rank 0 sends either (address, port) or its error, so a failure to open
+    the store raises on every rank instead of leaving the others waiting.
     """
     import torch.distributed as dist
 
-    td = datetime.timedelta(seconds=timeout)
-    hosts = world.allgather(socket.gethostname())
+    td = _timedelta(timeout)
+    world = setup.comm
+    hosts = setup.allgather(socket.gethostname(), "make_peers (torch store)")
     single_host = len(set(hosts)) == 1
     store = None
-    msg: tuple[str, int] | str
+    msg: tuple[str, int] | str | None = None
     if world.Get_rank() == 0:
         addr = "127.0.0.1" if single_host else socket.getfqdn()
         try:
@@ -421,11 +625,10 @@ def _bootstrap_store(world: MPI.Comm, timeout: float) -> Any:
             msg = (addr, int(store.port))
         except Exception as exc:  # noqa: BLE001 (reported on every rank below)
             msg = f"rank 0 could not open a TCPStore on {addr}: {exc}"
-    else:
-        msg = ""
-    msg = world.bcast(msg, root=0)
+    msg = setup.allgather(msg, "make_peers (torch store)")[0]
     if isinstance(msg, str):
         raise UnsupportedError("--vs", msg)
+    assert msg is not None
     if store is None:
         store = dist.TCPStore(msg[0], msg[1], world.Get_size(), False, timeout=td)
     return store
@@ -437,12 +640,18 @@ class TorchPeer(Peer):
 
     def __init__(self, backend: str, world: MPI.Comm, timeout: float,
                  reason: str | None) -> None:
+        from ..transport.mpi import dup_with_deadline
+
         super().__init__(reason)
         self.name = backend
         self._timeout = timeout
         self._groups: dict[tuple[tuple[int, ...], ...], Any] = {}
         self._rank, self._size = world.Get_rank(), world.Get_size()
         self._open = reason is None
+        # group_allreduce's agreement (over MPI: torch's new_group has no way
+        # to hear of a rank that raised instead of joining).
+        self._setup = (None if reason is not None
+                       else _Exchange(dup_with_deadline(world, timeout, "make_peers"), timeout))
 
     def why_not(self, buf: Any, op: str | None = None) -> str | None:
         _check_writable(buf)
@@ -450,6 +659,8 @@ class TorchPeer(Peer):
             return self.reason
         if not self._open:
             return "closed"
+        if self._setup is not None and self._setup.broken is not None:
+            return self._setup.broken
         on_gpu = _is_torch_tensor(buf) and buf.is_cuda
         if self.name == "gloo" and on_gpu:
             return "gloo peer works on host memory; this tensor is on a GPU"
@@ -486,11 +697,14 @@ class TorchPeer(Peer):
                         partition: Partition) -> Call | None:
         import torch.distributed as dist
 
-        if self.why_not(buf, op) is not None:
-            return None
-        key, color = _canonical(partition, self._size, self._rank, ranks)
+        if self.reason is not None or not self._open or self._setup is None \
+                or self._setup.broken is not None:
+            return None  # why_not says why
+        key, color = _agree_on_groups(self._setup, buf, op, partition, ranks,
+                                      self._rank, self._size,
+                                      f"{self.name} group_allreduce")
         if key not in self._groups:  # new_group is collective over all ranks
-            td = datetime.timedelta(seconds=self._timeout)
+            td = _timedelta(self._timeout)
             made = [dist.new_group(list(g), timeout=td, backend=self.name) for g in key]
             self._groups[key] = made[color]
         return self._reduce(buf, op, self._groups[key], len(key[color]))
@@ -524,6 +738,8 @@ class TorchPeer(Peer):
                 dist.destroy_process_group(g)
         self._groups.clear()
         self._open = False
+        if self._setup is not None:
+            self._setup.free()
         _TorchSession.release()
 
 
@@ -552,12 +768,11 @@ def _torch_reason(name: str, device: str) -> str | None:
     return None
 
 
-def _agreed_reasons(world: MPI.Comm, mine: dict[str, str | None]
-                    ) -> dict[str, str | None]:
+def _agreed_reasons(everyone: Sequence[dict[str, str | None]],
+                    mine: dict[str, str | None]) -> dict[str, str | None]:
     """A torch peer that cannot run on some rank is unavailable on every rank
-    (collective): otherwise the ranks that could start it would wait for the
-    others forever in the store bootstrap's MPI calls."""
-    everyone = world.allgather(mine)
+    (``everyone``: every rank's reasons): otherwise the ranks that could start
+    it would wait for the others in the store bootstrap."""
     agreed = dict(mine)
     for name, reason in mine.items():
         if reason is not None:
@@ -577,7 +792,10 @@ def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
     ``device`` is where the benchmark's buffers live (``"cpu"`` or ``"cuda"``).
     A peer that cannot run here is still returned, with ``reason`` set and
     factories returning None, so the caller can print why it is missing.
-    ``timeout`` (seconds) bounds torch's collectives and mpi-nb's waits.
+    ``timeout`` (seconds) bounds torch's collectives (at most
+    TORCH_TIMEOUT_MAX_S), mpi-nb's waits and the set-up's exchanges: ranks
+    that ask for other peers, or one that never calls, raise an error on
+    every rank instead of a hang.
     Close them with :func:`close_peers` (or each ``close()``).
     """
     wanted = parse_vs(names)
@@ -586,23 +804,52 @@ def make_peers(names: str | Sequence[str], world: MPI.Comm | None = None,
     timeout = check_timeout(timeout)
     from mpi4py import MPI
 
+    from ..transport.mpi import dup_with_deadline
+
     world = MPI.COMM_WORLD if world is None else world
-    reasons = _agreed_reasons(
-        world, {n: _torch_reason(n, device) for n in wanted if n in ("gloo", "nccl")})
+    setup = _Exchange(dup_with_deadline(world, timeout, "make_peers"), timeout)
+    try:
+        return _make_peers(setup, world, wanted, device, timeout)
+    finally:
+        setup.free()
+
+
+def _make_peers(setup: _Exchange, world: MPI.Comm, wanted: list[str], device: str,
+                timeout: float) -> list[Peer]:
+    """make_peers once its arguments are checked, ``setup`` a private Dup of
+    ``world``: every rank first says what it asked for and what it can run,
+    so every rank takes the same decisions (and the same collective steps)."""
+    torch_names = [n for n in wanted if n in ("gloo", "nccl")]
+    mine = {n: _torch_reason(n, device) for n in torch_names}
+    table = setup.allgather((wanted, mine, _torch_state() if torch_names else None),
+                            "make_peers")
+    differ = [r for r, row in enumerate(table) if row[0] != wanted]
+    if differ:
+        raise InvalidArgumentError(
+            "--vs", f"every rank must ask for the same peers: this rank asked for {wanted}, "
+            f"rank {differ[0]} for {table[differ[0]][0]} (ranks differing: {differ})")
+    reasons = _agreed_reasons([row[1] for row in table], mine)
     usable = [n for n, r in reasons.items() if r is None]
     if usable:
+        _check_torch_states([row[2] for row in table], usable)
         if "nccl" in usable:
             use_local_gpu(world)
         backend = "cpu:gloo,cuda:nccl" if len(usable) == 2 else usable[0]
-        _TorchSession.acquire(world, backend, timeout)
-        for _ in usable[1:]:
-            _TorchSession.users += 1  # one release per peer
+        _TorchSession.acquire(setup, backend, timeout, len(usable))  # one release per peer
     peers: list[Peer] = []
-    for n in wanted:
-        if n in ("mpi", "mpi-nb"):
-            peers.append(MPIPeer(world, n == "mpi-nb", timeout))
-        else:
-            peers.append(TorchPeer(n, world, timeout, reasons[n]))
+    pending = len(usable)  # session users no peer releases yet
+    try:
+        for n in wanted:
+            if n in ("mpi", "mpi-nb"):
+                peers.append(MPIPeer(world, n == "mpi-nb", timeout))
+            else:
+                peers.append(TorchPeer(n, world, timeout, reasons[n]))
+                pending -= reasons[n] is None
+    except BaseException:
+        close_peers(peers)
+        for _ in range(pending):
+            _TorchSession.release()
+        raise
     return peers
 
 

@@ -39,16 +39,17 @@ ABANDONED: list[tuple[Any, MPI.Request]] = []
 
 def wait_with_deadline(request: MPI.Request, uses: Any, deadline: float, what: str,
                        ranks: Sequence[int] = (), detail: str = "did not complete",
-                       nap_limit: float = 1e-3) -> None:
+                       nap_limit: float = 1e-3, round: int = -1) -> None:
     """Test ``request`` until it completes, napping up to ``nap_limit`` s between
     tests (ranks may outnumber cores; 0 spins). Past ``deadline``
-    (``time.monotonic()``) the request and what it ``uses`` go to ABANDONED and
-    CollectiveTimeoutError names ``what`` and the ``ranks`` waited for."""
+    (``time.monotonic()``) the request and what it ``uses`` go to ABANDONED
+    (MPI may still write into it) and CollectiveTimeoutError names ``what``,
+    its ``round`` and the ``ranks`` waited for."""
     nap = 0.0
     while not request.Test():
         if time.monotonic() > deadline:
             ABANDONED.append((uses, request))
-            raise CollectiveTimeoutError(what, -1, ranks, detail)
+            raise CollectiveTimeoutError(what, round, ranks, detail)
         if nap_limit:
             nap = min(nap_limit, nap * 2 or 2e-5)
             time.sleep(nap)
