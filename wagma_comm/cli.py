@@ -48,5 +48,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(commands[args.command](args) or 0)
 
 
+def console() -> int:
+    """The ``wagma`` script: bad input (InvalidArgumentError, BufferError,
+    UnsupportedError, each naming its option) is one line on stderr and exit
+    status 2, as argparse's own errors are, not a traceback from every rank."""
+    from .errors import BufferError, InvalidArgumentError, UnsupportedError
+
+    try:
+        return main()
+    except (InvalidArgumentError, BufferError, UnsupportedError) as exc:
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+        print(f"wagma {command}: error: {exc}".replace(" :", ":"), file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())
