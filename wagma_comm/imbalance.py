@@ -55,6 +55,7 @@ __all__ = [
     "reference_period_max_cdf",
     "exact_reference_period_max",
     "EXACT_WORK_LIMIT",
+    "MAX_COUNT",
     "MAX_DELAY_S",
 ]
 
@@ -67,6 +68,12 @@ _BLOCK_STEPS = 8192
 #: value is a typo, and one that ``time.sleep`` cannot take (about 9.2e9 s) would
 #: fail mid-run, and only on the ranks drawn slow, while the others wait.
 MAX_DELAY_S = 86400.0
+
+#: Most draws per step :class:`ReferenceImbalance` accepts. At ``P ln P`` draws
+#: all but about one rank are slow at every step (65,536 is that for ~7,000
+#: ranks), so more is a typo; and every step builds an array of COUNT draws, so an
+#: unbounded COUNT failed (MemoryError) mid-run, on every rank, naming no option.
+MAX_COUNT = 1 << 16
 
 # --------------------------------------------------------------------------- checks
 
@@ -200,13 +207,16 @@ class ReferenceImbalance(Injector):
 
     Draws may coincide (as in the reference, where a rank is slow if it equals
     either of two draws), so a step has between 1 and ``count`` slow ranks and a
-    given rank is slow with probability ``1 - (1 - 1/size)**count``.
+    given rank is slow with probability ``1 - (1 - 1/size)**count``. ``count``
+    may exceed ``size``, up to :data:`MAX_COUNT`.
     """
 
     def __init__(self, size: int, delay_s: float, count: int = 2, seed: int = 0) -> None:
         size = _check_int("size", size, 1)
         self.delay_s = check_delay("delay_s", delay_s)
         self.count = _check_int("count", count, 1)
+        if self.count > MAX_COUNT:
+            raise InvalidArgumentError("count", f"must be <= {MAX_COUNT} draws, got {count}")
         self.seed = _check_int("seed", seed, 0)
         super().__init__(size)
 
@@ -225,12 +235,11 @@ class ReferenceImbalance(Injector):
         return out
 
     def _delays_block(self, first_step: int, n: int) -> np.ndarray:
-        # The per-step generators are the cost; the scatter is done once.
-        draws = np.empty((n, self.count), dtype=np.int64)
-        for k in range(n):
-            draws[k] = self._draws(first_step + k)
+        # Scattered step by step: an (n, count) table of draws would break the
+        # n * size bound of _BLOCK_STEPS whenever count > size.
         out = np.zeros((n, self.size), dtype=np.float64)
-        out[np.arange(n)[:, None], draws] = self.delay_s
+        for k in range(n):
+            out[k, self._draws(first_step + k)] = self.delay_s
         return out
 
     def delay(self, rank: int, step: int) -> float:

@@ -431,3 +431,76 @@ def test_bench_output_problems_found_before_measuring(tmp_path) -> None:
     problem = output_problem(bench._outputs(_bench_args("--plot", bad_image)))
     assert problem is not None and problem[1] == "--plot"
     assert output_problem(bench._outputs(_bench_args("--json", str(tmp_path / "ok.json")))) is None
+
+
+# ------------------------------------------------- bounded draws, bounded memory
+
+
+def test_reference_count_is_bounded_when_built() -> None:
+    """A COUNT of 1e10 was accepted by make_injector and `wagma imbalance`'s
+    option check, then failed mid-run on every rank (MemoryError: 74.5 GiB for
+    one step's draws), naming no option."""
+    from wagma_comm.bench import imbalance as bench
+
+    with pytest.raises(InvalidArgumentError) as info:
+        ReferenceImbalance(4, 0.1, count=imbalance.MAX_COUNT + 1)
+    assert info.value.argument == "count"
+    with pytest.raises(InvalidArgumentError, match="count") as info:
+        make_injector("reference:0.1:10000000000", 4)
+    assert info.value.argument == "imbalance"
+    with pytest.raises(InvalidArgumentError) as info:
+        bench.injector_specs(_bench_args("--imbalance", "reference:0.1:10000000000"), 4)
+    assert info.value.argument == "--imbalance"
+    most = make_injector(f"reference:0.1:{imbalance.MAX_COUNT}", 4)  # more draws than ranks
+    assert most.slow_ranks(0) == (0, 1, 2, 3)
+
+
+def test_reference_expectation_memory_does_not_grow_with_count() -> None:
+    """The expectation helpers promise n * size floats per block; the reference
+    injector's block also held an (n, count) table of draws, 524 MB here."""
+    import tracemalloc
+
+    inj = ReferenceImbalance(2, 0.1, count=imbalance.MAX_COUNT, seed=1)
+    tracemalloc.start()
+    try:
+        got = expected_period_time(inj, 0.0, 1, periods=1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == pytest.approx(0.1)  # both ranks are slow at every step
+    assert peak < 16 * imbalance.MAX_COUNT * 8  # one step's draws, not 1000 steps'
+    block = inj._delays_block(5, 3)
+    for k in range(3):
+        np.testing.assert_array_equal(block[k], inj.delays(5 + k))
+
+
+def test_bench_freshness_and_staleness_cover_the_timed_rounds_only() -> None:
+    """Rates and waits leave the warm-up run out; the fresh share and the
+    staleness histogram counted it too (3 runs' calls for 2 timed rounds).
+    One process (MPI singleton): every step call lands in the histogram."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, wagma_comm
+        from wagma_comm.bench import imbalance as bench
+        from wagma_comm.cli import build_parser
+        args = build_parser().parse_args([
+            "imbalance", "--compute", "0", "--elements", "8", "--sync-every", "2",
+            "--periods", "2", "--rounds", "2", "--methods", "wagma,solo,majority"])
+        args.group_size = 1
+        with wagma_comm.init(timeout=60) as comm:
+            res = bench.measure(comm, args, "none")
+        print(json.dumps({"steps": res["steps"], "hist": res["staleness_histogram"],
+                          "fresh": res["fresh_share"]}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["steps"] == 4
+    for m in ("wagma", "solo", "majority"):
+        assert sum(res["hist"][m].values()) == 2 * 4, (m, res["hist"][m])  # 2 timed rounds
+        assert res["fresh"][m] == 1.0  # one rank: always on time

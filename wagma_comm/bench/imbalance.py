@@ -266,6 +266,9 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     samples: dict[str, list[float]] = {m: [] for m in methods}
     for m in methods:  # warm-up: kernels JIT-compiled, schedules and channels made
         loops[m]()
+    # statistics() counts from creation: what the warm-up counted is taken off
+    # below, so freshness and staleness cover the timed rounds, as rates and waits do.
+    warm = {m: loops[m].statistics() for m in methods}  # type: ignore[attr-defined]
     for r in range(args.rounds):
         order = methods if r % 2 == 0 else list(reversed(methods))
         for m in order:
@@ -274,12 +277,16 @@ def measure(comm: Any, args: argparse.Namespace, spec: str) -> dict[str, Any]:
     staleness: dict[str, dict[int, int]] = {}
     waits: dict[str, list[float]] = {}
     for m, loop in loops.items():
-        stats = loop.statistics()  # type: ignore[attr-defined]
-        mine = (stats.get("fresh_contributions", 0), stats.get("stale_contributions", 0))
+        stats, before = loop.statistics(), warm[m]  # type: ignore[attr-defined]
+        mine = tuple(stats.get(k, 0) - before.get(k, 0)
+                     for k in ("fresh_contributions", "stale_contributions"))
         f, s = (sum(v) for v in zip(*comm_allgather(comm, mine)))
         fresh[m] = f / (f + s) if f + s else None  # share of contributions that were current
+        warm_hist = before.get("staleness_histogram", {})
+        timed = {k: v - warm_hist.get(k, 0)
+                 for k, v in stats.get("staleness_histogram", {}).items()}
         merged: dict[int, int] = {}
-        for hist in comm_allgather(comm, stats.get("staleness_histogram", {})):
+        for hist in comm_allgather(comm, {k: v for k, v in timed.items() if v}):
             for k, v in hist.items():
                 merged[int(k)] = merged.get(int(k), 0) + int(v)
         staleness[m] = dict(sorted(merged.items()))
