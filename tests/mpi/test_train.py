@@ -1412,3 +1412,104 @@ def test_a_close_that_times_out_still_releases_every_bucket(method: str) -> None
         m.close()  # idempotent: nothing left
     WORLD.Barrier()
     c.close(cancel=True)
+
+
+# -- session 45 review: the Averager's own checks, and where the buckets live ----------
+
+
+@pytest.mark.parametrize("method,knobs", [("local_sgd", {"sync_every": 1}), ("dpsgd", {})],
+                         ids=["local_sgd", "dpsgd"])
+def test_a_refused_second_start_leaves_the_round_in_flight_alone(
+        comm: Communicator, method: str, knobs: dict[str, Any]) -> None:
+    """start() while an iteration is in flight packed the new tensors into
+    the buckets the round was still reading or had written its result into,
+    then refused: finish() delivered this rank's new tensors (or D-PSGD a
+    mean with them) as the average."""
+    x = [np.full(4, RANK + 1.0, np.float32)]
+    avg = Averager(comm, x, method, broadcast=False, **knobs)
+    avg.start(x)
+    with pytest.raises(InvalidArgumentError, match="iteration 0 was started and not finished"):
+        avg.start([np.full(4, 100.0, np.float32)])
+    avg.finish(x)
+    if method == "local_sgd":
+        expect = (SIZE + 1) / 2.0
+    else:
+        from wagma_comm.train.methods import ring_neighbours
+        peers = [RANK] + ring_neighbours(RANK, SIZE)
+        expect = sum(r + 1.0 for r in peers) / len(peers)
+    np.testing.assert_allclose(x[0], np.full(4, expect, np.float32), rtol=1e-6)
+    avg.close()
+
+
+def test_finish_checks_where_the_result_goes_before_waiting(comm: Communicator) -> None:
+    """A gradient method's finish() without grads waited, then failed with a
+    bare AssertionError, its average lost; now InvalidArgumentError naming
+    grads, the iteration still in flight for a finish() with them."""
+    w = [np.ones(3, np.float32)]
+    g = [np.full(3, RANK + 1.0, np.float32)]
+    avg = Averager(comm, w, "allreduce")
+    avg.start(w, g)
+    with pytest.raises(InvalidArgumentError) as err:
+        avg.finish(w)
+    assert err.value.argument == "grads"
+    assert avg.method.in_flight and avg.iteration == 0
+    avg.finish(w, g)
+    np.testing.assert_allclose(g[0], np.full(3, (SIZE + 1) / 2.0, np.float32), rtol=1e-6)
+    assert avg.iteration == 1
+    avg.close()
+
+
+def test_a_read_only_model_is_refused_before_the_round(comm: Communicator) -> None:
+    """average() and finalize() of read-only tensors (JAX arrays) without
+    copy=True ran the round, then raised BufferError writing the result: the
+    round was used up (the iteration counted) and its result lost. They are
+    refused before any communication now; copy=True then runs the same
+    iteration."""
+    from wagma_comm.errors import BufferError
+
+    ro = np.full(3, RANK + 1.0, np.float32)
+    ro.flags.writeable = False
+    avg = Averager(comm, [ro], "local_sgd", sync_every=1, broadcast=False)
+    calls = dict(comm.statistics()["calls"])
+    with pytest.raises(BufferError, match=r"params\[0\]"):
+        avg.average([ro])
+    assert avg.iteration == 0 and not avg.method.in_flight
+    assert avg.statistics()["iterations"] == 0
+    with pytest.raises(BufferError, match=r"params\[0\]"):
+        avg.finalize([ro])
+    assert comm.statistics()["calls"] == calls  # nothing communicated
+    out = avg.average([ro], copy=True)
+    assert out.info is not None and out.info.iteration == 0
+    np.testing.assert_allclose(out.params[0], np.full(3, (SIZE + 1) / 2.0), rtol=1e-6)
+    avg.close()
+
+
+def test_averager_takes_a_generator_of_names(comm: Communicator) -> None:
+    """The names were read once per bucket: a generator was used up by the
+    first and the second said "expected 1 names (one per tensor), got 0"."""
+    w = [np.ones(3, np.float32), np.ones(2, np.float64)]
+    avg = Averager(comm, w, "allreduce", names=(n for n in ["w", "b"]))
+    assert [s.name for s in avg.specs] == ["w", "b"]
+    avg.close()
+
+
+def test_device_buckets_over_different_device_kinds_are_refused_on_every_rank(
+        comm: Communicator) -> None:
+    """buckets="device" with CUDA tensors on one rank and CPU tensors on the
+    others gave device buckets everywhere: a GPU collective on one rank and
+    host ones on the others, which only end at the deadline."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    from wagma_comm.train import make_method
+    from wagma_comm.train.placement import agree_at_setup
+
+    method = make_method("allreduce")
+    kind = "cuda" if RANK == LAST else "cpu"
+    with pytest.raises(InvalidArgumentError) as err:
+        agree_at_setup(comm, "device", kind, method)
+    assert err.value.argument == "buckets" and f"are on {kind}" in str(err.value)
+    if SIZE > 2:
+        assert f"majority: [{LAST}]" in str(err.value)
+    assert agree_at_setup(comm, "host", kind, method) is False  # host buckets: fine
+    assert agree_at_setup(comm, "device", "cpu", method) is True
+    comm.barrier()

@@ -85,6 +85,9 @@ class Averager:
                  names: Sequence[str | None] | None = None, broadcast: bool = True,
                  first_iteration: int = 0, buckets: str = "auto", **knobs: Any) -> None:
         params = _listed(params, "params")  # walked several times below
+        if names is not None and not isinstance(names, (str, bytes, list, tuple)) \
+                and hasattr(names, "__iter__"):
+            names = list(names)  # read three times below (a generator was empty the second)
         self.method = make_method(method, **knobs)
         self.comm = comm
         self.iteration = check_int("first_iteration", first_iteration, 0)
@@ -147,6 +150,9 @@ class Averager:
         """Begin this iteration's averaging (packs what the method averages);
         the inputs are read now and may change before :meth:`finish`."""
         self._check_open()
+        if self.method.in_flight:  # before packing: the round in flight reads the buckets
+            raise InvalidArgumentError("start", f"{self.method.name}: iteration "
+                                       f"{self.iteration} was started and not finished")
         t = self.iteration
         target = self._target(_listed(params, "params"), _listed(grads, "grads"))  # checked every iteration, alike
         if self.method.communicates(t):
@@ -156,7 +162,17 @@ class Averager:
     def finish(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
                copy: bool = False) -> Averaged:
         """Wait for the result and write it into ``params`` or ``grads`` (in place),
-        or with ``copy=True`` return it as new arrays, leaving the inputs alone."""
+        or with ``copy=True`` return it as new arrays, leaving the inputs alone.
+        Where the result would go is checked first: a missing or read-only
+        target raises with the iteration still in flight (finish again, or
+        with ``copy=True``) instead of after the wait, its result lost."""
+        params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
+        if self.method.in_flight:  # else the method says that nothing was started
+            self._check_writable(params, grads, copy)
+        return self._finish(params, grads, copy)
+
+    def _finish(self, params: Sequence[Any], grads: Sequence[Any] | None,
+                copy: bool) -> Averaged:
         info = self.method.finish()
         self.iteration += 1
         self.stats.record(info)
@@ -165,9 +181,30 @@ class Averager:
     def average(self, params: Sequence[Any], grads: Sequence[Any] | None = None, *,
                 copy: bool = False) -> Averaged:
         """:meth:`start` then :meth:`finish`: one iteration's averaging."""
+        self._check_open()
         params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
+        self._check_writable(params, grads, copy)  # before the round: nothing communicated
         self.start(params, grads)
-        return self.finish(params, grads, copy=copy)
+        return self._finish(params, grads, copy)
+
+    def _check_writable(self, params: Sequence[Any], grads: Sequence[Any] | None,
+                        copy: bool, communicates: bool | None = None) -> None:
+        """Local check that the result can be written in place (``copy=False``)
+        where it will be: a read-only target (a JAX array) or a gradient
+        method's missing ``grads`` raised only after the round, its result
+        lost (for ``grads``, as a bare AssertionError)."""
+        if communicates is None:
+            communicates = self.method.communicates(self.iteration)
+        if copy or not communicates:
+            return
+        if self.method.averages == MODEL:
+            self._work.check_writable(params)
+        elif grads is None:
+            raise InvalidArgumentError("grads", f"{self.method.name} averages gradients: pass "
+                                       "the gradients to write the average into, or "
+                                       "copy=True")
+        else:
+            self._work.check_writable(grads)
 
     @staticmethod
     def _whole_model(params: Sequence[Any]) -> Sequence[Any]:
@@ -206,6 +243,8 @@ class Averager:
         missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
         self._check_open()
         params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
+        if grads is not None or self.method.averages == MODEL:
+            self._check_writable(params, grads, copy, communicates=True)  # before any wait
         self._drain()
         if self.method.averages == MODEL:
             self._work.pack(self._whole_model(params))

@@ -276,6 +276,14 @@ class FlatBucket:
             else:
                 self._copy_in(self._slot(spec), v)
 
+    def check_writable(self, tensors: Sequence[Any]) -> None:
+        """The checks of :meth:`unpack` (count, layout, writable), copying
+        nothing: a caller runs them before a round whose result it unpacks."""
+        tensors = self._check_count(tensors)
+        for spec, t in zip(self.specs, tensors):
+            if t is not None:
+                self._view(spec, t, True)
+
     def unpack(self, tensors: Sequence[Any]) -> None:
         """Copy the bucket into ``tensors``, in place (they must be writable);
         ``None`` entries are skipped (:class:`Averager` hands out copies)."""

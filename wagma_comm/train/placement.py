@@ -47,7 +47,11 @@ def agree_at_setup(comm: Any, choice: str, device_type: str | None, method: Meth
     ``device_type`` is the tensors' common device kind (``"cuda"``,
     ``"cpu"``, ...; None when they are spread over several). ``"auto"``
     takes device buckets only for CUDA tensors, a method that takes device
-    buffers and a usable NCCL, and only where every rank can. Ranks that
+    buffers and a usable NCCL, and only where every rank can. Device
+    buckets over different device kinds (``"device"`` with CUDA tensors on
+    some ranks and CPU tensors on others) raise on every rank: a GPU
+    collective on some ranks and a host one on others would only end at
+    the deadline (before, every rank took device buckets). Ranks that
     asked for different buckets, or run different methods (as
     ``method.describe()`` shows them: name and knobs), raise on every rank:
     a blocking method would otherwise pair one rank's gradient average with
@@ -59,7 +63,8 @@ def agree_at_setup(comm: Any, choice: str, device_type: str | None, method: Meth
     code = BUCKET_MEMORY.index(choice)
     described = method.describe()
     mark = zlib.crc32(described.encode())
-    vote = np.array([code, -code, -int(can), mark, -mark], dtype=np.int64)
+    kind = zlib.crc32(str(device_type).encode())
+    vote = np.array([code, -code, -int(can), mark, -mark, kind, -kind], dtype=np.int64)
     comm.allreduce(vote, "max")
     if vote[3] != -vote[4]:
         marks = [int(m) for m in allgather_ints(comm, [mark], 1)[:, 0]]
@@ -70,4 +75,12 @@ def agree_at_setup(comm: Any, choice: str, device_type: str | None, method: Meth
     if vote[0] != -vote[1]:
         raise InvalidArgumentError("buckets", "ranks passed different values (this rank "
                                    f"{choice!r}); pass the same on every rank")
-    return int(vote[2]) == -1  # max(-can) == -min(can): every rank can
+    on_device = int(vote[2]) == -1  # max(-can) == -min(can): every rank can
+    if on_device and vote[5] != -vote[6]:
+        kinds = [int(k) for k in allgather_ints(comm, [kind], 1)[:, 0]]
+        _, odd = minority(kinds)
+        raise InvalidArgumentError("buckets", f"device buckets need the tensors on the same "
+                                   f"kind of device on every rank; this rank's are on "
+                                   f"{device_type}, ranks that differ from the majority: "
+                                   f"{odd or list(range(comm.size))} (use 'host' or 'auto')")
+    return on_device
