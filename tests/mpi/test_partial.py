@@ -1056,3 +1056,53 @@ def test_every_group_round_counts_once_in_the_activation_counters(
     assert counted == 2, stats
     w.flush()
     w.close()
+
+
+def test_a_late_wagma_step_counts_its_staleness_to_the_round_it_gets(
+        comm: Communicator) -> None:
+    """Rank 0 never steps while the others run rounds 0 and 1 with its
+    progress thread; round 2 is then running on rank 0 (activated by rank
+    ``f``'s arrival) but held, since its partner ``h`` holds its own engine.
+    Rank 0's step 0 is late and gets round 1, the newest completed round:
+    its staleness must be ``round - iteration + 1`` = 2 (its initial model
+    went into round 1, two rounds after it was current), as on the board and
+    in docs/partial.md. Before session 45 it was 3, counted to the round
+    still running, which it did not get."""
+    from wagma_comm.groups import group_of
+
+    if SIZE < 3:
+        pytest.skip("needs the slow rank, its held partner and an activator")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(2), 2, sync_every=100)
+    h = next(r for r in group_of(0, SIZE, 2, activation.group_step(2, 100)) if r != 0)
+    f = SIZE - 1  # its activation token goes straight to rank 0 (hypercube dimension 0)
+    assert f not in (0, h)
+    if RANK != 0:
+        for _ in range(2):
+            w.step(np.ones(2))
+    WORLD.Barrier()
+    late = None
+    if RANK == h:
+        with comm._engine._driver:  # this rank's progress thread stops here
+            WORLD.Barrier()
+            WORLD.Barrier()
+    else:
+        WORLD.Barrier()
+        if RANK == f:
+            late = w.step(np.ones(2), async_op=True)  # activates round 2 everywhere
+        if RANK == 0:
+            until = time.monotonic() + 20
+            while w.statistics()["started_round"] < 2 and time.monotonic() < until:
+                time.sleep(0.001)
+            stats = w.statistics()
+            assert (stats["started_round"], stats["completed_round"]) == (2, 1), stats
+            info = w.step(np.zeros(2))
+            assert (info.round, info.iteration) == (1, 0), info
+            assert info.staleness == info.round - info.iteration + 1 == 2, info
+            assert w.statistics()["staleness_histogram"] == {2: 1}
+        WORLD.Barrier()
+    if late is not None:
+        late.wait()
+    while w.statistics()["iteration"] < 3:
+        w.step(np.ones(2))
+    w.flush()
+    w.close()

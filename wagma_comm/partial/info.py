@@ -21,7 +21,11 @@ class RoundInfo:
     that round came before the round started on them). ``staleness``: how many
     rounds this caller was behind when it called (0: on time, its contribution
     to the round it got was current, even if that round ran before its step;
-    else its contribution was that many iterations old). A flush is not counted
+    else its contribution was that many iterations old). A late wait-avoiding
+    group allreduce caller counts it to the round it got, ``round - iteration
+    + 1`` (as on the board), even if a newer round was running here when it
+    called; solo and majority, which deliver the caller's own round, count the
+    rounds started here from its own on. A flush is not counted
     as a step in Telemetry. ``synchronized``: a blocking round over all
     ranks (the periodic sync or a flush).
     """

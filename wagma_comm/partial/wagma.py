@@ -170,6 +170,14 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         self._retire(self._latest)
         self._latest = res
 
+    def _deliver(self, call: _Call, res: Result) -> None:
+        """A late step's staleness counts to the round it gets, the newest
+        completed one (``round - iteration + 1``, as on the board), not to a
+        newer round already running here when it called (RoundInfo)."""
+        if call.kind == "step":
+            call.staleness = min(call.staleness, max(0, res.round - call.iteration + 1))
+        super()._deliver(call, res)
+
     def _finalize(self, call: _Call, res: Result) -> None:
         total = res.array[:self.count]
         n = len(res.group)
