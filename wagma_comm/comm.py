@@ -764,8 +764,12 @@ class Communicator:
                 "algorithm", f"the {self._transport.name} transport has no native "
                 f"{op} for {buffer.dtype.name}; use another algorithm")
         sched = algorithms.compile_allreduce(self.rank, ranks, buffer.count, op, name)
+        # The fingerprint (debug mode) must be alike on every rank of the
+        # communicator: a group's default algorithm depends on its size, and
+        # groups differ in size where P is no power of S.
+        shown = name if algorithm is not None or collective != "group_allreduce" else "default"
         text = (f"{collective}(count={buffer.count},dtype={buffer.dtype.name},op={op}"
-                f"{extra},algorithm={name})")
+                f"{extra},algorithm={shown})")
         return sched, text
 
     def _choose_reduce(self, nbytes: int, ranks: tuple[int, ...]) -> str:

@@ -414,6 +414,54 @@ def test_debug_reports_mismatched_calls_by_rank() -> None:
         assert a[0] == SIZE
 
 
+# What one rank (the last) passes differently, the call of the others, its,
+# and what the fingerprint must name for it: every argument that changes
+# the call (docs/usage.md, "Ranks that pass different counts": a dtype of
+# the same size, a root, and the native algorithm escape the size check).
+_DEBUG_MISMATCHES: dict[str, tuple[Callable[[Communicator], Any],
+                                   Callable[[Communicator], Any], str]] = {
+    "dtype": (lambda c: c.allreduce(np.ones(4, np.float32)),
+              lambda c: c.allreduce(np.ones(4, np.int32)), "dtype=int32"),
+    "op": (lambda c: c.allreduce(np.ones(4, np.float32), "sum"),
+           lambda c: c.allreduce(np.ones(4, np.float32), "max"), "op=max"),
+    "algorithm": (lambda c: c.allreduce(np.ones(4, np.float32), algorithm="ring"),
+                  lambda c: c.allreduce(np.ones(4, np.float32), algorithm="native"),
+                  "algorithm=native"),
+    "root": (lambda c: c.broadcast(np.ones(4, np.float32), 0),
+             lambda c: c.broadcast(np.ones(4, np.float32), SIZE - 1), f"root={SIZE - 1}"),
+    "group_size": (lambda c: c.group_allreduce(np.ones(4, np.float32), SIZE, 0),
+                   lambda c: c.group_allreduce(np.ones(4, np.float32), 1, 0),
+                   "group_size=1"),
+}
+
+
+@pytest.mark.parametrize("what", list(_DEBUG_MISMATCHES))
+def test_debug_names_a_rank_passing_another_dtype_op_algorithm_root_or_group(
+        what: str) -> None:
+    """Each way a call can differ is caught by the fingerprint exchange on
+    every rank, before any data moves, and named: the other ranks name the
+    last rank and what it called, the last rank names all others. The
+    communicator stays usable."""
+    if SIZE == 1:
+        pytest.skip("a mismatch needs two ranks")
+    theirs, mine, named = _DEBUG_MISMATCHES[what]
+    with wagma_comm.init(timeout=30, debug=True) as c:
+        sent = c.statistics()["messages_sent"]
+        with pytest.raises(wagma_comm.MismatchError) as info:
+            (mine if RANK == SIZE - 1 else theirs)(c)
+        err = info.value
+        if RANK == SIZE - 1:
+            assert err.ranks == tuple(range(SIZE - 1)), err
+        else:
+            assert err.ranks == (SIZE - 1,), err
+            assert named in err.details[SIZE - 1], err
+        # only the fingerprints went out: one to every other rank
+        assert c.statistics()["messages_sent"] - sent == SIZE - 1
+        a = np.ones(4, np.float32)
+        c.allreduce(a)
+        assert a[0] == SIZE
+
+
 CHUNKED = [("allreduce", "ring"), ("allreduce", "rabenseifner"),
            ("broadcast", "scatter_allgather")]
 
@@ -865,3 +913,27 @@ def test_a_timeout_outside_any_round_names_no_round() -> None:
         comm.Free()
     named = wagma_comm.CollectiveTimeoutError("allreduce", 0, [1], "timed out")
     assert str(named) == "allreduce (round 0): timed out; ranks: [1]"
+
+
+
+
+def test_debug_accepts_groups_of_different_sizes_choosing_their_own_algorithm() -> None:
+    """At 3 ranks with group size 2 the groups are {0, 1} and {2}; for a
+    buffer of 64 KiB or more the default algorithm is Rabenseifner in the
+    first and recursive doubling in the second (by group size). That is a
+    correct program: debug mode must not call it a mismatch (the
+    fingerprint named each rank's own default and raised MismatchError on
+    every rank)."""
+    if SIZE < 3:
+        pytest.skip("needs groups of different sizes: three ranks")
+    sub = WORLD.Split(0 if RANK < 3 else MPI.UNDEFINED)
+    if sub == MPI.COMM_NULL:
+        return
+    try:
+        with wagma_comm.init(timeout=30, mpi_comm=sub, debug=True) as c:
+            x = np.full(INLINE_MAX_BYTES // 4 * 2, RANK + 1.0, np.float32)
+            c.group_allreduce(x, 2, 0, op="sum")
+            members = c.group_of(2, 0)
+            assert np.all(x == sum(r + 1.0 for r in members)), (members, x[:2])
+    finally:
+        sub.Free()
