@@ -176,3 +176,14 @@ def test_averager_start_then_finalize_keeps_the_promise(comm: Communicator) -> N
     again = Averager(comm, params, "wagma", group_size=SIZE, sync_every=100)
     again.start(params)
     again.close()  # steps a copy: nothing waits for the started round
+
+
+def test_ready_must_be_a_bool(comm: Communicator) -> None:
+    """A truthy ``ready="no"`` promised a step (a later flush() was refused
+    over a promise nobody meant); now refused, locally, naming ``ready``."""
+    w = comm.wait_avoiding_group_allreduce(np.zeros(3), 1, sync_every=2)
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        w.publish(np.zeros(3), ready="no")
+    assert info.value.argument == "ready"
+    w.flush()  # no promise was made: nothing refused
+    w.close()

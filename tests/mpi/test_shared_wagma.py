@@ -848,3 +848,12 @@ def test_a_board_lock_timeout_names_the_holder_and_never_a_rank_that_let_go(
         shm_lock.release(w._board.locks[SLOW])
     c.close(cancel=True)
     w.close()
+
+
+@needs_peers
+def test_ready_must_be_a_bool_on_the_board_too(comm: Communicator) -> None:
+    w = _wagma(comm, np.zeros(3), 1, sync_every=2)
+    with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+        w.publish(np.zeros(3), ready=1)
+    assert info.value.argument == "ready"
+    w.close()

@@ -64,7 +64,7 @@ from ..transport.shm_board import ACTIVATOR, DIED, HOLDER, PUBLISHED, RESULT, Bo
 from .base import (CLOSE, FLUSH, FLUSH_ROUND, agree, check_first_round, check_step_buffer,
                    check_sync_every, final_call_differences)
 from .info import RoundInfo, Telemetry
-from .wagma import WaitAvoidingGroupAllreduce, check_options
+from .wagma import WaitAvoidingGroupAllreduce, check_options, check_ready
 
 SHARED_MEMORY = "shared_memory"
 LIVENESS_PERIOD_S = 0.25
@@ -206,6 +206,7 @@ class SharedWaitAvoidingGroupAllreduce:
         """Make ``buf`` (copied now) this rank's contribution to its next
         round without arriving at it; ``ready`` changes nothing here (module
         docstring)."""
+        check_ready(ready)
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._settle_sync_round()
         self._check_usable()

@@ -40,6 +40,13 @@ GRACE_MAX = 1.0
 wait longer for a peer than the peer's lateness could cost)."""
 
 
+def check_ready(ready: Any) -> None:
+    """``publish(ready=)`` is a promise: only True or False makes it (a
+    truthy ``"no"`` promised a step, and a later flush() was refused)."""
+    if not isinstance(ready, (bool, np.bool_)):
+        raise InvalidArgumentError("ready", f"expected True or False, got {ready!r}")
+
+
 def check_grace(grace: Any) -> None:
     """``grace`` is a fraction of the caller's compute time (docs/partial.md)."""
     if (isinstance(grace, bool) or not isinstance(grace, (int, float))
@@ -105,6 +112,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         when the whole group publishes in time the round finishes during the
         compute and the steps return without waiting. Group rounds only; a
         synchronous round still starts at the steps."""
+        check_ready(ready)
         data, _ = self._check_buf(buf)
         self._check_usable()
         with self._lock:
