@@ -30,12 +30,14 @@ from .errors import (
     UnsupportedError,
 )
 from .runtime import debug
-from .runtime.engine import CLOSE_GRACE_S, LAZY, NOT_INLINE, Engine, Stage, Work
+from .runtime.engine import (CLOSE_GRACE_S, LAZY, NOT_INLINE, Engine, Stage, Work,
+                             check_environment)
 from .runtime.handle import Handle
 from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
 from .runtime.shared import ALGORITHM as SHARED_MEMORY
 from .runtime.shared import SharedCall, SharedExchange, describe
+from .kernels.host import host_threads
 from .runtime.watch import watchdog_seconds
 from .schedule import algorithms
 from .schedule.ir import DATA, Native, Schedule
@@ -1138,7 +1140,11 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     CollectiveTimeoutError instead of waiting forever.
     """
     deadline_s = check_timeout(default_timeout(timeout))  # before any MPI call
-    watchdog_seconds()  # likewise: the engine reads it after the transport's set-up
+    # Likewise the environment the engine and the kernels read later (a bad
+    # value failed after the transport's set-up, or mid-collective).
+    watchdog_seconds()
+    check_environment()
+    host_threads()
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI

@@ -647,9 +647,9 @@ def test_threads_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(H, "_nthreads", None)
     monkeypatch.setenv("WAGMA_HOST_THREADS", "lots")
     with pytest.raises(InvalidArgumentError):
-        H._threads()
+        H.host_threads()
     monkeypatch.setenv("WAGMA_HOST_THREADS", "4")
-    assert H._threads() == 4
+    assert H.host_threads() == 4
 
 
 def _run_python(code: str) -> str:

@@ -3,6 +3,7 @@ singleton start), and the CLI entry point runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -123,3 +124,23 @@ def test_exit_without_close_stops_the_engine_whatever_WAGMA_EXIT_DRAIN_says(
     assert "failed" not in out.stderr and "did not complete" not in out.stderr, out.stderr
     if drain != "0":
         assert "WAGMA_EXIT_DRAIN" in out.stderr  # a bad value is said, then the default used
+
+
+@pytest.mark.parametrize("name,raw", [("WAGMA_SPIN_US", "abc"), ("WAGMA_SPIN_US", "-5"),
+                                      ("WAGMA_LISTEN_SPIN_US", "nan"),
+                                      ("WAGMA_HOST_THREADS", "abc")])
+def test_a_bad_environment_variable_is_refused_by_init_naming_it(name: str, raw: str) -> None:
+    """WAGMA_SPIN_US=abc failed ``import wagma_comm`` with a bare ValueError
+    (a negative value was taken); WAGMA_HOST_THREADS=abc passed init() and
+    failed inside the first large reduction, after communication began."""
+    code = ("import wagma_comm\n"
+            "try:\n"
+            "    wagma_comm.init()\n"
+            "except wagma_comm.InvalidArgumentError as exc:\n"
+            "    print('refused', exc.argument)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "OMPI", "MPI_"))}
+    env[name] = raw
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["refused", name]

@@ -775,7 +775,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _threads() -> int:
+def host_threads() -> int:
     """WAGMA_HOST_THREADS, parsed once; 1 (serial) unless set to an int > 1."""
     global _nthreads
     if _nthreads is None:
@@ -794,7 +794,7 @@ def _threads() -> int:
 
 def _chunks(n: int, itemsize: int) -> list[tuple[int, int]] | None:
     """Chunk bounds for a threaded run, or None to run serially."""
-    t = _threads()
+    t = host_threads()
     if t <= 1 or n * itemsize < _MIN_SPLIT_BYTES:
         return None
     per = -(-n // t)
@@ -811,7 +811,7 @@ def _run(fn: Callable[[int, int], object], n: int, itemsize: int) -> None:
         return
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="wagma-host")
+            _pool = ThreadPoolExecutor(host_threads(), thread_name_prefix="wagma-host")
         pool = _pool
     futures = [pool.submit(fn, a, b) for a, b in bounds]
     for f in futures:

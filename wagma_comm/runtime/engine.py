@@ -28,6 +28,7 @@ from ..errors import (
     CollectiveError,
     CollectiveTimeoutError,
     CommunicatorClosedError,
+    InvalidArgumentError,
     MessageSizeError,
     RankFailedError,
     TransportError,
@@ -44,17 +45,43 @@ from .pool import ScratchPool
 from .straight import StraightLine
 from .watch import Watch, stage_phase, timeout_error, waiting_ranks
 
+# Polling-policy variables that could not be read: import must not fail on
+# them, so init() raises for them (check_environment), naming the variable.
+_BAD_ENVIRONMENT: dict[str, str] = {}
+
+
+def _microseconds(name: str, default: str) -> float:
+    """Seconds from the environment variable ``name`` (microseconds >= 0)."""
+    raw = os.environ.get(name, default).strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # NaN too
+        _BAD_ENVIRONMENT[name] = raw
+        value = float(default)
+    return value * 1e-6
+
+
+def check_environment() -> None:
+    """Raise InvalidArgumentError naming a polling variable that was not
+    microseconds >= 0 (``WAGMA_SPIN_US=abc`` failed ``import wagma_comm``
+    with a bare ValueError; a negative one was taken silently)."""
+    for name, raw in _BAD_ENVIRONMENT.items():
+        raise InvalidArgumentError(name, f"expected microseconds >= 0, got {raw!r}")
+
+
 # Polling policy: spin (yielding the CPU) while requests are outstanding, and
 # only after this long without any completion fall back to short sleeps, so a
 # rank waiting on a straggler does not burn a core the others need.
-_SPIN_S = float(os.environ.get("WAGMA_SPIN_US", "20000")) * 1e-6
+_SPIN_S = _microseconds("WAGMA_SPIN_US", "20000")
 _MAX_SLEEP_S = 1e-3
 # With no collective in flight, only listeners (a partial collective waiting
 # for a round's token), the thread spins this long: a long spin there holds
 # the GIL against the application thread of its own process (a 1 ms hand-off
 # per step measured on 2 cores, docs/partial.md) to catch a token that comes
 # once per iteration anyway.
-_LISTEN_SPIN_S = float(os.environ.get("WAGMA_LISTEN_SPIN_US", "200")) * 1e-6
+_LISTEN_SPIN_S = _microseconds("WAGMA_LISTEN_SPIN_US", "200")
 _SPIN_POLLS = 32  # tests per spin between full turns of the engine
 # With a doorbell (transport/doorbell.py) a thread with nothing in flight but
 # listeners sleeps this long between turns instead of _MAX_SLEEP_S: a token
