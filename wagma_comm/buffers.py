@@ -11,6 +11,7 @@ argument and what was expected.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +74,9 @@ class Buffer:
 def _device_of(obj: Any, argument: str) -> tuple[int, int]:
     try:
         dev_type, dev_id = obj.__dlpack_device__()
+        return int(dev_type), int(dev_id)  # inside: ("cpu", 0) is no DLPack device
     except Exception as exc:  # the exporter itself refused
-        raise BufferError(argument, f"__dlpack_device__() failed: {exc}") from exc
-    return int(dev_type), int(dev_id)
+        raise BufferError(argument, f"__dlpack_device__() failed: {_describe(exc)}") from exc
 
 
 def cuda_device(obj: Any) -> int | None:
@@ -159,11 +160,16 @@ def as_buffer(
             argument,
             f"unsupported dtype {view_dtype}; expected one of {sorted(dtypes.BY_NAME)}",
         )
-    shape = tuple(int(s) for s in view.shape)
-    strides = None if view.strides is None else tuple(int(s) for s in view.strides)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    try:  # cuda-core checks the layout lazily: a negative extent raises here
+        shape = tuple(int(s) for s in view.shape)
+        strides = None if view.strides is None else tuple(int(s) for s in view.strides)
+    except Exception as exc:
+        raise BufferError(argument, f"unusable DLPack shape/strides: {_describe(exc)}") from exc
+    count = math.prod(shape)  # exact (an int64 product wrapped to "empty"); 1 for 0-d
     if count == 0:
         raise BufferError(argument, f"buffer is empty (shape {shape}); nothing to reduce")
+    if count * dtype.itemsize > sys.maxsize:
+        raise BufferError(argument, f"shape {shape} spans more bytes than memory can hold")
     if not _is_c_contiguous(shape, strides):
         raise BufferError(
             argument,
@@ -174,8 +180,12 @@ def as_buffer(
         raise BufferError(
             argument, "buffer is read-only but the collective writes its result in place"
         )
+    ptr = int(view.ptr)
+    if ptr == 0:  # host_array() would silently read and write other memory
+        raise BufferError(argument, f"DLPack export has a NULL data pointer for {count} "
+                          "elements")
     device = "cpu" if host else "cuda"
-    return Buffer(obj, view, int(view.ptr), count, dtype, shape, device, dev_id)
+    return Buffer(obj, view, ptr, count, dtype, shape, device, dev_id)
 
 
 def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
@@ -253,4 +263,10 @@ def _parse(obj: Any, argument: str, *, stream: int) -> Any:
         # its own stream, which the producer then makes wait for its work.
         return StridedMemoryView.from_dlpack(obj, stream_ptr=stream)
     except Exception as exc:
-        raise BufferError(argument, f"DLPack export failed: {exc}") from exc
+        raise BufferError(argument, f"DLPack export failed: {_describe(exc)}") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception's message, or its type where it has none (cuda-core's bare
+    AssertionError for a CPU device id other than 0 read "failed: ")."""
+    return str(exc) or f"{type(exc).__name__} (no message)"

@@ -72,10 +72,15 @@ def from_dlpack_code(code: int, bits: int, lanes: int = 1) -> DType | None:
 
 
 def from_numpy(dtype: Any) -> DType | None:
-    """The row for a NumPy dtype (bfloat16 via ml_dtypes), or None."""
+    """The row for a NumPy dtype (bfloat16 via ml_dtypes), or None. None is
+    no dtype here (``np.dtype(None)`` would make it float64), and what NumPy
+    cannot read as a dtype (TypeError, or ValueError for e.g. a bad field
+    list) is unsupported, not an error of its own."""
+    if dtype is None:
+        return None
     try:
         return _BY_NUMPY.get(np.dtype(dtype))
-    except TypeError:
+    except (TypeError, ValueError):
         return None
 
 

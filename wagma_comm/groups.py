@@ -34,6 +34,22 @@ from functools import lru_cache
 from .errors import InvalidArgumentError
 
 
+# MPI counts ranks in a C int; trial division of P stays under 46341 tries.
+MAX_SIZE = 2**31 - 1
+
+
+def check_size(size: object, argument: str = "size") -> int:
+    """Validate a rank count ``1 <= size <= MAX_SIZE`` (an MPI job cannot be
+    larger; factoring an unbounded one could run for ever); typed error."""
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidArgumentError(argument, f"expected an int, got {type(size).__name__}")
+    if not 1 <= size <= MAX_SIZE:
+        raise InvalidArgumentError(
+            argument, f"must satisfy 1 <= size <= {MAX_SIZE} (MPI's limit), got {size}"
+        )
+    return size
+
+
 def check_group_size(size: int, group_size: object, argument: str = "group_size") -> int:
     """Validate ``1 <= group_size <= size``; typed error naming the argument."""
     if isinstance(group_size, bool) or not isinstance(group_size, int):
@@ -57,6 +73,7 @@ def check_step(step: object, argument: str = "step") -> int:
 
 
 def _prime_factors(n: int) -> list[int]:
+    """Trial division: at most sqrt(MAX_SIZE) ~ 46341 tries (check_size bounds n)."""
     out, p = [], 2
     while p * p <= n:
         while n % p == 0:
@@ -93,22 +110,49 @@ def _pack_factors(n: int, limit: int) -> list[int] | None:
 @lru_cache(maxsize=1024)
 def _fewest_factors(n: int, cap: int) -> tuple[int, ...] | None:
     """The fewest factors of ``n``, each in [2, ``cap``], non-increasing (the
-    largest leading factor among equally few); None if there are none."""
-    if n == 1:
-        return ()
-    best: tuple[int, ...] | None = None
-    for d in range(min(cap, n), 1, -1):
-        if n % d == 0:
-            rest = _fewest_factors(n // d, d)
+    largest leading factor among equally few); None if there are none.
+
+    Only divisors of ``n`` are tried (built from its prime factors): trying
+    every d <= cap took minutes for P=2e9, S=1e9-1."""
+    divisors = [1]
+    for p in set(_prime_factors(n)):
+        power, k = 1, n
+        powers = []
+        while k % p == 0:
+            k //= p
+            power *= p
+            powers.append(power)
+        divisors = [d * q for d in divisors for q in [1, *powers]]
+    divisors.sort(reverse=True)  # descending, as the search by every d was
+    of: dict[int, list[int]] = {}  # m -> its divisors >= 2, descending
+    memo: dict[tuple[int, int], tuple[int, ...] | None] = {}
+
+    def fewest(m: int, c: int) -> tuple[int, ...] | None:
+        if m == 1:
+            return ()
+        key = (m, c)
+        if key in memo:
+            return memo[key]
+        if m not in of:
+            of[m] = [d for d in divisors if d <= m and m % d == 0 and d > 1]
+        best: tuple[int, ...] | None = None
+        for d in of[m]:
+            if d > c:
+                continue
+            rest = fewest(m // d, d)
             if rest is not None and (best is None or len(rest) + 1 < len(best)):
                 best = (d, *rest)
-    return best
+        memo[key] = best
+        return best
+
+    return fewest(n, cap)
 
 
 @lru_cache(maxsize=1024)
 def radices(size: int, group_size: int) -> tuple[int, ...]:
     """The mixed-radix digits for P=``size`` ranks and groups of at most
     ``group_size``; their product is >= size (== size when exact)."""
+    check_size(size)
     check_group_size(size, group_size)
     if size == 1 or group_size == 1:
         return (1,)

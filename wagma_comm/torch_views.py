@@ -37,16 +37,25 @@ def use_local_gpu(world: Any = None) -> Any:
     """Make this rank's GPU torch's current device and return it: the rank's
     index among the ranks of its node, modulo the node's GPUs (ranks beyond
     the GPU count share them; docs/gpu.md, "Several ranks per GPU").
-    Collective over ``world`` (default MPI_COMM_WORLD): a shared-memory split."""
+    Collective over ``world`` (default MPI_COMM_WORLD): a shared-memory split.
+    UnsupportedError("device") where this rank sees no GPU (after the split,
+    so that the other ranks are not left waiting in it)."""
     import torch
     from mpi4py import MPI
+
+    from .errors import UnsupportedError
 
     world = MPI.COMM_WORLD if world is None else world
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        index = local.Get_rank() % torch.cuda.device_count()
+        local_rank = local.Get_rank()
     finally:
         local.Free()
+    count = torch.cuda.device_count()
+    if count == 0:  # was a bare ZeroDivisionError
+        raise UnsupportedError("device", "no CUDA device visible to this rank "
+                               "(torch.cuda.device_count() is 0)")
+    index = local_rank % count
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

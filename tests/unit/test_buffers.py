@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ import torch
 
 from wagma_comm import dtypes
 from wagma_comm.buffers import as_buffer
-from wagma_comm.errors import BufferError, UnsupportedError
+from wagma_comm.errors import BufferError, InvalidArgumentError, UnsupportedError
 
 
 @pytest.mark.parametrize("name", sorted(dtypes.BY_NAME))
@@ -153,3 +156,132 @@ def test_masked_array_is_refused() -> None:
     """A masked array would be reduced as its raw data, masked values included."""
     a = np.ma.masked_array(np.ones(4, np.float32), mask=[0, 1, 0, 0])
     _raises(a, BufferError, "masked")
+
+
+# -- hand-made DLPack capsules: fields no NumPy array or torch tensor exports ----------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # left NULL: nothing to free
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", _DELETER)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32),
+                ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class _Capsules:
+    """Exports float32 memory of ``base`` with the DLPack fields given (a
+    versioned capsule when the consumer asks with max_version >= 1.0)."""
+
+    def __init__(self, base: np.ndarray, shape: tuple[int, ...], *,
+                 strides: tuple[int, ...] | None = None, byte_offset: int = 0,
+                 data: int | None = None, device: tuple[object, object] = (1, 0),
+                 readonly: bool = False) -> None:
+        self.base, self.shape, self.strides = base, shape, strides
+        self.byte_offset, self.readonly, self.device = byte_offset, readonly, device
+        self.data = base.ctypes.data if data is None else data
+        self._alive: list[object] = []  # the structs the capsules point into
+
+    def __dlpack_device__(self) -> tuple[object, object]:
+        return self.device
+
+    def __dlpack__(self, *, stream: object = None, max_version: tuple[int, int] | None = None,
+                   dl_device: object = None, copy: object = None) -> object:
+        n = max(1, len(self.shape))
+        shape = (ctypes.c_int64 * n)(*self.shape)
+        strides = None if self.strides is None else (ctypes.c_int64 * n)(*self.strides)
+        t = _DLTensor(self.data, _DLDevice(1, int(self.device[1])), len(self.shape),
+                      _DLDataType(2, 32, 1), ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+                      None if strides is None
+                      else ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)),
+                      self.byte_offset)
+        if max_version is not None and max_version[0] >= 1:
+            m: ctypes.Structure = _DLManagedTensorVersioned(
+                1, 0, None, _DELETER(), int(self.readonly), t)
+            name = b"dltensor_versioned"
+        else:
+            m, name = _DLManagedTensor(t, None, _DELETER()), b"dltensor"
+        self._alive += [shape, strides, m]
+        return _capsule_new(ctypes.addressof(m), name, None)
+
+
+def test_dlpack_capsule_fields_are_honoured() -> None:
+    """byte_offset moves the first element, the versioned read-only flag is
+    respected, a 0-d capsule is one element and NULL strides mean C order."""
+    base = np.arange(8, dtype=np.float32)
+    b = as_buffer(_Capsules(base, (4,), byte_offset=8), "grads")
+    assert (b.ptr - base.ctypes.data, b.count) == (8, 4)
+    assert b.host_array().tolist() == [2, 3, 4, 5]
+    assert as_buffer(_Capsules(base, ()), "grads").count == 1
+    assert as_buffer(_Capsules(base, (2, 4)), "grads").shape == (2, 4)
+    _raises(_Capsules(base, (4,), readonly=True), BufferError, "read-only")
+    assert as_buffer(_Capsules(base, (4,), readonly=True), writable=False).count == 4
+
+
+@pytest.mark.parametrize("kw,text", [
+    # cuda-core checks extents lazily: a raw ValueError escaped from view.shape
+    ({"shape": (-4,)}, "shape/strides"),
+    # the element count was an int64 product, which wrapped to 0: "empty"
+    ({"shape": (2**32, 2**32)}, "more bytes than memory"),
+    # accepted; host_array() then wrote somewhere else entirely
+    ({"shape": (4,), "data": 0}, "NULL data pointer"),
+    # int("cpu") raised a raw ValueError outside the exporter's try-block
+    ({"shape": (4,), "device": ("cpu", 0)}, "__dlpack_device__() failed"),
+    # cuda-core asserts a CPU device id of 0: the message ended "failed: "
+    ({"shape": (4,), "device": (1, 5)}, "AssertionError"),
+])
+def test_broken_dlpack_exports_are_buffer_errors(kw: dict[str, Any], text: str) -> None:
+    """An exporter's impossible shape, NULL pointer or device is refused as a
+    BufferError naming the argument, with a message that says what is wrong."""
+    shape = kw.pop("shape")
+    _raises(_Capsules(np.arange(8, dtype=np.float32), shape, **kw), BufferError, text)
+
+
+@pytest.mark.parametrize("bad", [None, {"names": ["a", "b"], "formats": ["f4"]},
+                                 [("a", "f4"), ("a", "f4")], ("f4", -1)])
+def test_dtype_lookup_of_odd_objects_is_a_typed_error(bad: object) -> None:
+    """``lookup(None)`` answered float64 (NumPy's default dtype) and objects
+    NumPy refuses with ValueError escaped raw instead of naming the argument."""
+    assert dtypes.from_numpy(bad) is None
+    with pytest.raises(InvalidArgumentError) as info:
+        dtypes.lookup(bad, "--dtype")
+    assert info.value.argument == "--dtype"
+
+
+def test_use_local_gpu_without_a_gpu_names_the_device() -> None:
+    """On a rank that sees no GPU, ``use_local_gpu`` divided by the device
+    count: a bare ZeroDivisionError. (A child process that really sees none.)"""
+    code = (
+        "from wagma_comm.torch_views import use_local_gpu\n"
+        "from wagma_comm.errors import UnsupportedError\n"
+        "try:\n"
+        "    use_local_gpu()\n"
+        "except UnsupportedError as e:\n"
+        "    print(e.argument, 'no CUDA device' in str(e))\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.stdout.strip() == "device True", done.stderr[-2000:]

@@ -358,3 +358,40 @@ def test_torch_negative_view_is_not_taken_at_face_value() -> None:
         assert exc.argument == "grads"
         return
     assert float(buf.host_array()[0]) == float(t[0]), "intake reads the un-negated memory"
+
+
+# -- dtype lookup of arbitrary objects ---------------------------------------------
+_NAMES = sorted(_STORAGE)
+_DTYPE_LIKE = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
+    st.sampled_from(_NAMES).flatmap(lambda n: st.sampled_from(
+        [n, n.upper(), n.title(), f" {n}", f"{n} ", f"{n}\n"])),
+    st.sampled_from(sorted(_NP_SUPPORTED, key=str) + _NP_UNSUPPORTED),
+    st.sampled_from([np.float32, np.int64, np.bool_, bool, int, float, object]),
+    st.tuples(st.sampled_from(["f4", "i8", "u1", "V"]), st.integers(-3, 3)),
+    st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["f4", "i8"])), max_size=3),
+    st.dictionaries(st.sampled_from(["names", "formats", "offsets"]),
+                    st.lists(st.sampled_from(["a", "f4", -1, 0]), max_size=2), max_size=3),
+)
+
+
+@settings(FUZZ, max_examples=300)
+@given(_DTYPE_LIKE, _ARGUMENTS)
+def test_dtype_lookup_is_a_row_or_a_typed_error(x: object, argument: str) -> None:
+    """``dtypes.lookup`` of anything: a supported row, or InvalidArgumentError
+    naming the argument (never NumPy's own TypeError/ValueError). Names are
+    exact (no case folding or trimming) and None is no dtype (NumPy reads it
+    as float64)."""
+    from wagma_comm import InvalidArgumentError, dtypes
+
+    try:
+        row = dtypes.lookup(x, argument)
+    except InvalidArgumentError as exc:
+        event("refused")
+        assert exc.argument == argument
+        assert not (isinstance(x, str) and x in _NAMES)
+        return
+    event("accepted")
+    assert row in dtypes.ALL and x is not None
+    if isinstance(x, str):
+        assert x == row.name

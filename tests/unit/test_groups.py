@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -149,3 +151,54 @@ def test_bad_step(bad: object) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         G.check_step(bad)
     assert info.value.argument == "step"
+
+
+
+def _in_child(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter and return its stdout: a hang there
+    fails the test (TimeoutExpired) instead of stalling the session."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**31, 8.0, True, "8", None])
+def test_bad_rank_count_is_refused_naming_size(bad: object) -> None:
+    """P=0 was blamed on group_size, P="8" or None escaped as a raw TypeError
+    and P=2**31 was factored. P is an MPI job's size, a C int: anything else
+    is a typed error naming ``size``."""
+    with pytest.raises(InvalidArgumentError) as info:
+        G.check_size(bad)
+    assert info.value.argument == "size"
+    if isinstance(bad, float) or bad is True:
+        return  # equal to a cached int key: radices' lru_cache may answer first
+    with pytest.raises(InvalidArgumentError) as info:
+        G.radices(bad, 1 if bad in (0, -1) or not isinstance(bad, int) else 4)
+    assert info.value.argument == "size"
+    assert G.check_size(G.MAX_SIZE) == G.MAX_SIZE
+
+
+def test_absurd_rank_count_is_refused_not_factored_for_ever() -> None:
+    """``wagma schedule --ranks 1000000000000000009 --group-size 4`` ran trial
+    division up to sqrt(P) (1e9 tries) instead of refusing P."""
+    out = _in_child(
+        "from wagma_comm import groups as G\n"
+        "from wagma_comm.errors import InvalidArgumentError\n"
+        "try:\n"
+        "    G.radices(10**18 + 9, 4)\n"
+        "except InvalidArgumentError as e:\n"
+        "    print(e.argument)\n")
+    assert out == "size"
+
+
+def test_large_composite_sizes_factor_quickly() -> None:
+    """The fewest-factors search tried every d <= S: P=2e9, S=1e9-1 took
+    minutes (``wagma schedule --ranks 2000000000 --group-size 999999999``)."""
+    out = _in_child(
+        "from wagma_comm import groups as G\n"
+        "print(G.radices(2_000_000_000, 999_999_999),\n"
+        "      G.group_of(0, 2_000_000_000, 999_999_999, 1),\n"
+        "      G.radices(2_095_133_040, 46_340), G.radices(G.MAX_SIZE, 4)[-1] <= 4)\n")
+    assert out == ("(500000000, 4) (0, 500000000, 1000000000, 1500000000) "
+                   "(46189, 45360) True")

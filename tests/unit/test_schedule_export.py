@@ -196,3 +196,13 @@ def test_from_json_rejects_malformed_documents_with_schedule_error() -> None:
         with pytest.raises(ScheduleError) as info:
             from_json(bad)
         assert where in str(info.value), (name, str(info.value))
+
+
+def test_cli_refuses_a_group_too_large_to_print(capsys) -> None:
+    # --ranks 100000000 (group size defaults to every rank) ran out of memory.
+    from wagma_comm.schedule import cli as schedule_cli
+
+    assert schedule_cli.main(["schedule", "--ranks", "100000000"]) == 2
+    assert "--group-size" in capsys.readouterr().err
+    assert schedule_cli.main(["schedule", "--ranks", str(2**31)]) == 2
+    assert "--ranks" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from ..dtypes import OPS
 from ..errors import InvalidArgumentError, ScheduleError
-from ..groups import check_group_size, check_step, group_of
+from ..groups import check_group_size, check_size, check_step, group_of
 from .algorithms import (
     ALLREDUCE_ALGORITHMS,
     BARRIER_ALGORITHMS,
@@ -62,17 +62,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _group(args: argparse.Namespace) -> tuple[int, ...]:
-    size = args.ranks
-    if size < 1:
-        raise InvalidArgumentError("--ranks", f"must be >= 1, got {size}")
+    size = check_size(args.ranks, "--ranks")
     rank = 0 if args.rank is None else args.rank
     if not 0 <= rank < size:
         raise InvalidArgumentError("--rank", f"must be in [0, {size}), got {rank}")
     check_step(args.step, "--step")
     group_size = size if args.group_size is None else args.group_size
     check_group_size(size, group_size, "--group-size")
+    if group_size > MAX_PRINTED_GROUP:  # each member's schedule is compiled and verified
+        raise InvalidArgumentError(
+            "--group-size", f"a group of {group_size} ranks is too many to print and verify "
+            f"(at most {MAX_PRINTED_GROUP}); pass a smaller --group-size")
     return group_of(rank, size, group_size, args.step)
 
+
+# The largest group `wagma schedule` compiles (one schedule per member, each
+# verified element by element): a default group of every rank of a huge job
+# ran out of memory.
+MAX_PRINTED_GROUP = 4096
 
 _ALGORITHMS = {"allreduce": ALLREDUCE_ALGORITHMS, "broadcast": BROADCAST_ALGORITHMS,
                "barrier": BARRIER_ALGORITHMS}
