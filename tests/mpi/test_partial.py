@@ -1070,8 +1070,8 @@ def test_a_late_wagma_step_counts_its_staleness_to_the_round_it_gets(
     still running, which it did not get."""
     from wagma_comm.groups import group_of
 
-    if SIZE < 3:
-        pytest.skip("needs the slow rank, its held partner and an activator")
+    if SIZE not in (3, 4):  # 2.5-4.3 s; the same at larger sizes (make test's budget)
+        pytest.skip("needs the slow rank, its held partner and an activator: 3 or 4 ranks")
     w = comm.wait_avoiding_group_allreduce(np.zeros(2), 2, sync_every=100)
     h = next(r for r in group_of(0, SIZE, 2, activation.group_step(2, 100)) if r != 0)
     f = SIZE - 1  # its activation token goes straight to rank 0 (hypercube dimension 0)
