@@ -43,8 +43,6 @@ def wait_bounded(req: MPI.Request, what: str, round: int = -1,
     buffers the request still uses, kept alive if it is abandoned."""
     from ..transport.mpi import wait_with_deadline
 
-    if req.Test():
-        return
     limit = check_timeout(default_timeout(timeout))
     wait_with_deadline(req, keep, time.monotonic() + limit, what, nap_limit=0, round=round,
                        detail=f"not every rank came within {limit:g} s (an MPI request "

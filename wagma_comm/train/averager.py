@@ -154,7 +154,8 @@ class Averager:
             raise InvalidArgumentError("start", f"{self.method.name}: iteration "
                                        f"{self.iteration} was started and not finished")
         t = self.iteration
-        target = self._target(_listed(params, "params"), _listed(grads, "grads"))  # checked every iteration, alike
+        params, grads = _listed(params, "params"), _listed(grads, "grads")
+        target = self._target(params, grads)  # checked every iteration, alike
         if self.method.communicates(t):
             self._work.pack(target)
         self.method.start(t, self._work.buffers())
