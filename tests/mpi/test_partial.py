@@ -88,10 +88,22 @@ def test_wagma_fast_ranks_do_not_wait_and_see_the_stale_model(
     w.close()
 
 
+def _wait_completed(w: object, round_: int, limit_s: float = 20.0) -> None:
+    """Poll (without stepping) until round ``round_`` completed here: a late
+    step gets the newest completed round and counts its staleness to it."""
+    give_up = time.monotonic() + limit_s
+    while w.statistics()["completed_round"] < round_:  # type: ignore[attr-defined]
+        assert time.monotonic() < give_up, f"round {round_} never completed here"
+        time.sleep(0.002)
+
+
 def test_wagma_global_group_slow_rank_staleness_is_exact(comm: Communicator) -> None:
     """With the group of all ranks every fast round needs the slow rank's
-    progress thread, so all rounds had started there: step t of the slow rank
-    is exactly ``steps - t`` rounds behind."""
+    progress thread, so all rounds had started there: once the last of them
+    completed there too, step t of the slow rank gets it and is exactly
+    ``steps - t`` rounds behind (a late step counts to the round it gets:
+    stepping while the last round was still finishing got the one before,
+    one round less stale)."""
     if SIZE == 1:
         pytest.skip("needs a slow and a fast rank")
     steps = 5
@@ -103,6 +115,7 @@ def test_wagma_global_group_slow_rank_staleness_is_exact(comm: Communicator) -> 
             assert SLOW not in info.fresh
     WORLD.Barrier()
     if RANK == SLOW:
+        _wait_completed(w, steps - 1)
         for t in range(steps):
             model = np.zeros(3)
             info = w.step(model)
@@ -222,6 +235,7 @@ def test_wagma_activation_routes_reach_every_member(comm: Communicator, scope: s
         if SIZE & (SIZE - 1) == 0:  # a hypercube: no token wraps around
             assert sum(sent) == steps * (SIZE - 1)
     if RANK != 0:
+        _wait_completed(w, steps - 1)  # else the first step may get the round before
         for t in range(steps):
             assert w.step(np.zeros(3)).staleness == steps - t
     w.flush()
