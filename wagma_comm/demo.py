@@ -22,7 +22,6 @@ which starts mpiexec itself.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -30,10 +29,11 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
+from .files import write_atomically, write_json
 from .train.methods.averaging import WAGMA_GRACE
 
 DEFAULT_METHODS = ("allreduce", "local_sgd", "dpsgd", "sgp", "solo", "majority", "wagma",
@@ -394,22 +394,9 @@ def plot(runs: Sequence[Run], target: float, path: str, title: str) -> None:
     fig.tight_layout()
     ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"  # not the temporary's
     try:
-        _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=ext))
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=ext))
     finally:
         plt.close(fig)
-
-
-def _write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """``write`` to a temporary file beside ``path``, then rename it over
-    ``path``: a failure (a full disk) never leaves half a file behind."""
-    head, tail = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(head, f".{tail}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ------------------------------------------------------------------------------ main
@@ -548,12 +535,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
         for line in result["targets"]:
             print(line, file=out)
         if o.json:  # before the plot, so a failing plot cannot lose the measurements
-            def dump(tmp: str) -> None:
-                with open(tmp, "w") as fh:
-                    json.dump(result, fh, indent=1)
-
-            os.makedirs(os.path.dirname(os.path.abspath(o.json)), exist_ok=True)
-            _write_atomically(o.json, dump)
+            write_json(o.json, result)
         if o.plot:
             plot(runs, o.target, o.plot, title)
             print(f"plot: {o.plot}", file=out)

@@ -279,6 +279,33 @@ def test_imbalance_json_schema(shared_dir: str) -> None:
     assert res["expected"]["majority"] is None
 
 
+def test_imbalance_json_is_strict_with_zero_compute(shared_dir: str) -> None:
+    """With no compute and no injected delay the expected rates are infinite:
+    the file says null there (it said ``Infinity``, which strict JSON readers
+    such as jq refuse)."""
+    import json
+
+    from wagma_comm.bench import imbalance as imbalance_cli
+
+    if SIZE != 2:
+        pytest.skip("rank-count independent: run at 2 ranks")
+    path = os.path.join(shared_dir, "imbalance-zero.json")
+    assert imbalance_cli.run(_imbalance_args([
+        "--compute", "0", "--imbalance", "none", "--sync-every", "2", "--periods", "1",
+        "--rounds", "1", "--methods", "allreduce,wagma", "--json", path])) == 0
+    if RANK != 0:
+        return
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {constant} in {path}")
+
+    with open(path) as fh:
+        res = json.loads(fh.read(), parse_constant=refuse)
+    assert res["expected_blocking"] is None and res["expected_wait_avoiding"] is None
+    assert res["expected"] == {"allreduce": None, "wagma": None}
+    assert all(rate > 0 for rate in res["rates"].values())
+
+
 def test_imbalance_majority_follows_the_seed(comm: Communicator) -> None:
     """--seed seeds the majority's activators too, as `wagma sim` assumes when it
     replays a measurement (they were drawn from seed 0 whatever --seed said)."""

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..files import write_json
 from . import check, report
 from .plot import human_bytes  # pure; matplotlib is imported only to draw
 
@@ -436,13 +437,13 @@ def _run_overlap(ctx: Context, sizes: list[int]) -> int:
     if ctx.comm.rank == 0:
         print(report.overlap_summary(results), flush=True)
         if args.json:
-            report.write_json(args.json, {"meta": meta, "overlap": results})
+            write_json(args.json, {"meta": meta, "overlap": results})
     return 0
 
 
 def _write_outputs(args: argparse.Namespace, rows: list[Row], meta: dict[str, Any]) -> None:
     if args.json:
-        report.write_json(args.json, {"meta": meta, "rows": [r.__dict__ for r in rows]})
+        write_json(args.json, {"meta": meta, "rows": [r.__dict__ for r in rows]})
     if args.csv:
         report.write_csv(args.csv, rows)
     if args.plot:

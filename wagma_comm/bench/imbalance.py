@@ -20,7 +20,6 @@ Run it under mpiexec: ``mpiexec -n 8 wagma imbalance``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pickle
 import statistics
@@ -28,6 +27,8 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+from ..files import write_json
 
 METHODS = ("wagma", "wagma_group_scope", "group_allreduce", "allreduce", "solo", "majority",
            "dpsgd", "local_sgd")
@@ -377,8 +378,7 @@ def run(args: argparse.Namespace) -> int:
             print(flush=True)
     if comm.rank == 0:
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(results[0] if len(results) == 1 else {"sweep": results}, fh, indent=1)
+            write_json(args.json, results[0] if len(results) == 1 else {"sweep": results})
         if args.plot:
             from .plot import plot_imbalance, points_from_imbalance
 

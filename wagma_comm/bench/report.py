@@ -4,7 +4,6 @@ versions, MPI library, NCCL, CPU/GPU model, the command line)."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -157,12 +156,6 @@ def _cpu_model() -> str:
                         if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor()
-
-
-def write_json(path: str, payload: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(payload, fh, indent=1)
 
 
 def write_csv(path: str, rows: list[Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..bench.plot import human_bytes
 from ..errors import InvalidArgumentError
+from ..files import write_json
 from .collectives import Collectives
 from .cost import CostModel
 from .training import METHODS, PARTIAL, Workload, simulate
@@ -177,8 +178,7 @@ def run_sim(args: argparse.Namespace) -> int:
         out.append({"ranks": size, "workload": asdict(w), "cost_model": cost.to_dict(),
                     "results": {m: r.to_dict() for m, r in results.items()}})
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"runs": out}, fh, indent=1)
+        write_json(args.json, {"runs": out})
     if args.plot:
         from .plots import plot_scale
 
@@ -295,8 +295,7 @@ def _validate(args: argparse.Namespace, cost: CostModel) -> int:
     measurements = _measurements(args.validate)
     out = [_validate_one(res, cost) for res in measurements]
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out[0] if len(out) == 1 else {"sweep": out}, fh, indent=1)
+        write_json(args.json, out[0] if len(out) == 1 else {"sweep": out})
     return 0
 
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..files import write_json
 
 TOKEN_BYTES = 32  # an activation token: four int64 (collective id, round, root, sender)
 
@@ -85,8 +86,7 @@ class CostModel:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def save(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        with open(path, "w") as fh:
-            json.dump({"cost_model": self.to_dict(), **(extra or {})}, fh, indent=1)
+        write_json(path, {"cost_model": self.to_dict(), **(extra or {})})
 
     @classmethod
     def load(cls, path: str) -> "CostModel":
