@@ -148,7 +148,7 @@ def _fewest_factors(n: int, cap: int) -> tuple[int, ...] | None:
     return fewest(n, cap)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=1024, typed=True)  # typed: 8.0 must not hit 8's entry unchecked
 def radices(size: int, group_size: int) -> tuple[int, ...]:
     """The mixed-radix digits for P=``size`` ranks and groups of at most
     ``group_size``; their product is >= size (== size when exact)."""
