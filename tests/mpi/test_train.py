@@ -848,6 +848,26 @@ def test_closing_the_exchange_mid_round_gives_its_receive_buffers_back() -> None
     WORLD.Barrier()
 
 
+def test_the_exchange_refuses_too_many_buffers_and_use_after_close() -> None:
+    """More than 32 receive buffers (only sends were counted) took tags of the
+    next round; a start() after close() was a bare AttributeError."""
+    from wagma_comm.errors import CommunicatorClosedError, InvalidArgumentError
+    from wagma_comm.train.neighbors import NeighborExchange
+
+    if SIZE != 2:
+        pytest.skip("rank-count independent: run at 2 ranks")
+    ex = NeighborExchange(WORLD, 10.0, "dpsgd exchange")
+    many = [([np.empty(1, np.float32)], [1 - RANK])] * 33
+    with pytest.raises(InvalidArgumentError) as info:
+        ex.start([], many)
+    assert info.value.argument == "recvs" and not ex._requests
+    ex.close()
+    with pytest.raises(CommunicatorClosedError, match="dpsgd exchange.*closed"):
+        ex.start([], [])
+    ex.close()  # twice is harmless
+    WORLD.Barrier()
+
+
 def test_checkpoint_paths_with_other_braces_keep_them(comm: Communicator,
                                                        rank_dir: str) -> None:
     """``{rank}`` was filled in with str.format, so any other brace in the

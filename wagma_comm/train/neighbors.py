@@ -96,8 +96,9 @@ class NeighborExchange:
         if self._requests:
             raise InvalidArgumentError("start", f"{self.name}: round {self._round} is still "
                                        "in flight; wait() for it first")
-        if len(sends) > _MAX_BUFFERS:
-            raise InvalidArgumentError("sends", f"at most {_MAX_BUFFERS} buffers per round")
+        for argument, buffers in (("sends", sends), ("recvs", recvs)):
+            if len(buffers) > _MAX_BUFFERS:  # tags base + k would run into the next round's
+                raise InvalidArgumentError(argument, f"at most {_MAX_BUFFERS} buffers per round")
         base = (self._round % _TAG_ROUNDS) * _MAX_BUFFERS
         self._label = self._round if label is None else label
         for k, (bufs, sources) in enumerate(recvs):
@@ -184,6 +185,7 @@ class NeighborExchange:
         never waited for is abandoned first)."""
         if self._requests:
             self._abandon("closed")
+        self._broken = "closed"  # start() says so (it failed on the freed communicator)
         if self._comm is not None:
             try:
                 self._comm.Free()
