@@ -64,6 +64,23 @@ def test_a_holder_that_died_is_reported_to_the_next_holder_and_the_lock_works_ag
     assert _in_child(lambda: shm_lock.acquire(lock_address, time.monotonic() + 1)) == 0
 
 
+def test_an_unlock_by_a_process_not_holding_the_lock_raises(lock_address: int) -> None:
+    """pthread_mutex_unlock's EPERM (a robust mutex released by a process that
+    does not hold it) was ignored: the lock silently stayed held."""
+    import errno
+
+    shm_lock.acquire(lock_address, time.monotonic() + 1)
+
+    def release_not_held() -> bool:
+        try:
+            shm_lock.release(lock_address)
+        except OSError as exc:
+            return exc.errno == errno.EPERM
+        return False
+    assert _in_child(release_not_held) == 0
+    shm_lock.release(lock_address)
+
+
 class _Cancelled(Exception):
     pass
 

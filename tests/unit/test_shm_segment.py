@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import typing
 
 import numpy as np
 import pytest
@@ -66,3 +67,45 @@ def test_attach_refuses_a_segment_of_another_size() -> None:
 def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WAGMA_SHM", "0")
     assert shm.unavailable_reason() == "disabled by WAGMA_SHM=0"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.skipif(shm.unavailable_reason() is not None, reason="no shared memory here")
+def test_a_signal_during_the_reservation_leaves_no_file() -> None:
+    """tmpfs stops posix_fallocate with EINTR when a signal comes, and Python
+    then runs the handler, which may raise (Ctrl-C in init()): the file was
+    left in /dev/shm, its pages reserved so far, with nobody to unlink it."""
+    import signal
+
+    total = 256 << 20  # tens of ms to reserve: the signal comes first
+    free = os.statvfs("/dev/shm")
+    if free.f_bavail * free.f_frsize < 2 * total:
+        pytest.skip("/dev/shm has too little room")
+    path = shm.segment_path(f"test-{secrets.token_hex(6)}")
+    raised: list[bool] = []
+
+    def interrupt(signum: int, frame: typing.Any) -> None:
+        while frame is not None and frame.f_code is not shm.create_file.__code__:
+            frame = frame.f_back
+        if frame is not None:  # only inside create_file: what it must clean up
+            raised.append(True)
+            raise _Interrupted()
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.002)
+        try:
+            os.close(shm.create_file(path, total))
+        except _Interrupted:
+            pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        left = os.path.exists(path)
+        if left:
+            os.unlink(path)
+    if not raised:
+        pytest.skip("the reservation finished before the signal came")
+    assert not left, "the interrupted reservation left its file in /dev/shm"

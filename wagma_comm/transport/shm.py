@@ -83,11 +83,13 @@ def create_file(path: str, total: int) -> int:
     """Make a zeroed shared-memory file of ``total`` bytes, its pages reserved
     (a sparse file would fail later, as SIGBUS on the first store to a page
     /dev/shm has no room for). Returns an open descriptor; raises OSError
-    (no space, name taken) leaving no file behind."""
+    (no space, name taken) leaving no file behind, as does any other
+    exception: a signal during the reservation (tmpfs stops it with EINTR,
+    and Python then runs the handler, which may raise: Ctrl-C) made one."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, total)
-    except OSError:
+    except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
@@ -123,7 +125,7 @@ class Segment:
         fd = create_file(path, DEPTH * size * (CONTROL_BYTES + slot))
         try:
             return cls(path, size, slot, fd)
-        except OSError:
+        except BaseException:  # a signal's exception (Ctrl-C) too, as create_file
             os.unlink(path)  # nobody else knows the file yet
             raise
 

@@ -86,13 +86,16 @@ class Board:
         unpublished. Raises OSError where it cannot (no space, a name taken,
         no address space to map it), leaving no file behind."""
         fd = create_file(path, size * block_bytes(size, nbytes))
+        board: Board | None = None
         try:
             board = cls(path, size, nbytes, fd)
             for k in range(size):
                 shm_lock.init_lock(board.locks[k])
                 board.words[k][:] = -1
-        except OSError:
+        except BaseException:  # a signal's exception (Ctrl-C) too, as create_file
             os.unlink(path)  # nobody else knows the file yet
+            if board is not None:
+                board.close()  # the traceback would keep the mapping alive
             raise
         return board
 

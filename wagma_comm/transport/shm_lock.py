@@ -43,16 +43,27 @@ class LockTimeout(Exception):
     """The lock was not free before the deadline."""
 
 
+_SYMBOLS = ("pthread_mutexattr_init", "pthread_mutexattr_setpshared",
+            "pthread_mutexattr_setrobust", "pthread_mutexattr_destroy", "pthread_mutex_init",
+            "pthread_mutex_trylock", "pthread_mutex_clocklock", "pthread_mutex_unlock",
+            "pthread_mutex_consistent")
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6", use_errno=False)
-        for symbol in ("pthread_mutexattr_setpshared", "pthread_mutexattr_setrobust",
-                       "pthread_mutex_clocklock", "pthread_mutex_consistent"):
-            getattr(libc, symbol)
-    except (OSError, AttributeError) as exc:
-        return None, f"the C library has no robust process-shared mutexes ({exc})"
-    return libc, None
+    """The library with every mutex call: libc, or libpthread where glibc
+    before 2.34 (Debian 11, Ubuntu 20.04) kept the robust ones there."""
+    problems = []
+    for name in (ctypes.util.find_library("c") or "libc.so.6",
+                 ctypes.util.find_library("pthread") or "libpthread.so.0"):
+        try:
+            lib = ctypes.CDLL(name, use_errno=False)
+            for symbol in _SYMBOLS:
+                getattr(lib, symbol)
+        except (OSError, AttributeError) as exc:
+            problems.append(str(exc))
+            continue
+        return lib, None
+    return None, f"the C library has no robust process-shared mutexes ({'; '.join(problems)})"
 
 
 _LIBC, UNAVAILABLE = _load()
@@ -120,8 +131,12 @@ def acquire(address: int, deadline: float,
 
 
 def release(address: int) -> None:
+    """Unlock; raises OSError where the mutex stays locked (EPERM: a robust
+    mutex unlocked by a thread that does not hold it), not silently."""
     assert _LIBC is not None, UNAVAILABLE
-    _LIBC.pthread_mutex_unlock(address)
+    rc = _LIBC.pthread_mutex_unlock(address)
+    if rc:
+        raise OSError(rc, f"pthread_mutex_unlock: {errno.errorcode.get(rc, rc)}")
 
 
 __all__ = ["LOCK_BYTES", "CHECK_EVERY_S", "UNAVAILABLE", "LockTimeout", "init_lock",
