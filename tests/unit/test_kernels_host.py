@@ -645,9 +645,13 @@ def test_threaded_chunks_match_serial(monkeypatch: pytest.MonkeyPatch,
 
 def test_threads_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(H, "_nthreads", None)
-    monkeypatch.setenv("WAGMA_HOST_THREADS", "lots")
-    with pytest.raises(InvalidArgumentError):
-        H.host_threads()
+    for bad in ("lots", "0", "100000"):  # 100000 failed to start threads mid-collective
+        monkeypatch.setenv("WAGMA_HOST_THREADS", bad)
+        with pytest.raises(InvalidArgumentError, match="WAGMA_HOST_THREADS"):
+            H.host_threads()
+    monkeypatch.setenv("WAGMA_HOST_THREADS", str(H.MAX_HOST_THREADS))
+    assert H.host_threads() == H.MAX_HOST_THREADS
+    monkeypatch.setattr(H, "_nthreads", None)
     monkeypatch.setenv("WAGMA_HOST_THREADS", "4")
     assert H.host_threads() == 4
 
@@ -864,3 +868,58 @@ def test_partial_overlap_with_dst_is_refused() -> None:
     np.testing.assert_array_equal(buf[:10], np.arange(10.0))
     H.reduce_into(buf[:10], buf[10:], "sum", D.FLOAT64)  # adjacent, disjoint
     np.testing.assert_array_equal(buf[:10], np.arange(10.0) + np.arange(10.0, 20.0))
+
+
+@pytest.mark.parametrize("pool_started", [False, True], ids=["pool_unstarted", "pool_started"])
+def test_threaded_kernels_work_in_an_atexit_hook(pool_started: bool) -> None:
+    """concurrent.futures refuses new work once the interpreter starts to
+    exit, before atexit hooks run; comm.py's exit hook still drains the
+    collectives in flight, whose threaded reductions then raised
+    RuntimeError ('cannot schedule new futures after interpreter
+    shutdown') and failed. They must run on the calling thread instead."""
+    code = (
+        "import atexit, numpy as np\n"
+        "from wagma_comm import dtypes as D\n"
+        "from wagma_comm.kernels import host as H\n"
+        "H._nthreads = 3\n"
+        "n = 1 << 19  # 1 MiB of 16-bit elements: threaded\n"
+        f"if {pool_started}:\n"
+        "    w = np.ones(n, np.float32)\n"
+        "    H.reduce_into(w, w, 'sum', D.FLOAT32)\n"
+        "def at_exit():\n"
+        "    for dt in (D.FLOAT32, D.BFLOAT16, D.INT32):\n"
+        "        one = np.ones(n, D.FLOAT32.numpy).astype(dt.numpy).view(dt.storage)\n"
+        "        a = one.copy()\n"
+        "        try:\n"
+        "            H.reduce_into(a, one, 'sum', dt)\n"
+        "            H.average_into(a, [a, one, one], 2, dt)\n"
+        "            H.scale_into(a, 2, dt)\n"
+        "        except Exception as exc:\n"
+        "            print(dt.name, 'failed', repr(exc))\n"
+        "            continue\n"
+        "        got = a.view(dt.numpy).astype(np.float64)\n"
+        "        print(dt.name, 'ok' if np.all(got == 1) else 'wrong values')\n"
+        "atexit.register(at_exit)\n"
+    )
+    out = _run_python(code).strip().splitlines()
+    assert out == ["float32 ok", "bfloat16 ok", "int32 ok"], out
+
+
+def test_malformed_parts_and_op_get_typed_errors_naming_them() -> None:
+    """A part list that is no sequence, a first part that is no array, or an
+    op that is no string used to escape as TypeError/AttributeError from
+    the middle of the code; each is now the typed error naming the argument."""
+    a = np.zeros(4, np.float32)
+    for bad_parts in (None, 3):
+        with pytest.raises(InvalidArgumentError, match="parts"):
+            H.average_into(a, bad_parts, 2, D.FLOAT32)
+        with pytest.raises(InvalidArgumentError, match="parts"):
+            H.rows_reducer("sum", D.FLOAT32, bad_parts)
+    with pytest.raises(BufferError, match=r"parts\[0\]"):
+        H.rows_reducer("sum", D.FLOAT32, [[1.0, 2.0, 3.0, 4.0], a])
+    with pytest.raises(InvalidArgumentError, match="op"):
+        H.rows_reducer(["sum"], D.FLOAT32, [a])
+    # a 2-D array is still a sequence of parts (its rows)
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    H.rows_reducer("sum", D.FLOAT32, rows)(a)
+    np.testing.assert_array_equal(a, rows[0] + rows[1])

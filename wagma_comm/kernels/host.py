@@ -72,8 +72,9 @@ from __future__ import annotations
 import os
 import platform
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from llvmlite import ir as llir
@@ -758,6 +759,9 @@ def _from_f32(src, out, kind):
 # --------------------------------------------------------------------------
 
 _MIN_SPLIT_BYTES = 1 << 20
+MAX_HOST_THREADS = 1024
+"""WAGMA_HOST_THREADS' ceiling: the pool starts a thread per chunk, and 100,000
+failed with "can't start new thread" in the middle of a collective."""
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _nthreads: int | None = None
@@ -776,7 +780,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def host_threads() -> int:
-    """WAGMA_HOST_THREADS, parsed once; 1 (serial) unless set to an int > 1."""
+    """WAGMA_HOST_THREADS, parsed once; 1 (serial) unless set to an int > 1
+    (at most MAX_HOST_THREADS)."""
     global _nthreads
     if _nthreads is None:
         raw = os.environ.get("WAGMA_HOST_THREADS", "1").strip() or "1"
@@ -784,10 +789,10 @@ def host_threads() -> int:
             value = int(raw)
         except ValueError:
             value = 0
-        if value < 1:
+        if not 1 <= value <= MAX_HOST_THREADS:
             raise InvalidArgumentError(
-                "WAGMA_HOST_THREADS", f"expected a positive integer, got {raw!r}"
-            )
+                "WAGMA_HOST_THREADS",
+                f"expected an integer from 1 to {MAX_HOST_THREADS}, got {raw!r}")
         _nthreads = value
     return _nthreads
 
@@ -813,7 +818,27 @@ def _run(fn: Callable[[int, int], object], n: int, itemsize: int) -> None:
         if _pool is None:
             _pool = ThreadPoolExecutor(host_threads(), thread_name_prefix="wagma-host")
         pool = _pool
-    futures = [pool.submit(fn, a, b) for a, b in bounds]
+    # Each task takes chunks until none is left, so a chunk runs exactly once
+    # whichever thread takes it (deque.popleft is atomic).
+    todo = deque(bounds)
+
+    def take() -> None:
+        while True:
+            try:
+                a, b = todo.popleft()
+            except IndexError:
+                return
+            fn(a, b)
+
+    futures = []
+    try:
+        for _ in bounds:
+            futures.append(pool.submit(take))
+    except RuntimeError:
+        # At interpreter exit concurrent.futures refuses new work before the
+        # atexit hooks run, and comm.py's hook still drains collectives in
+        # flight: what no pool thread took runs here instead of failing them.
+        take()
     for f in futures:
         f.result()
 
@@ -850,6 +875,21 @@ def _check_no_overlap(d: np.ndarray, other: np.ndarray, argument: str) -> None:
     if np.may_share_memory(d, other) and other.ctypes.data != d.ctypes.data:
         raise BufferError(argument, "overlaps dst partially; pass dst itself or a "
                           "disjoint array")
+
+
+def _part_list(parts: Iterable[np.ndarray]) -> Sequence[np.ndarray]:
+    """``parts`` as a non-empty list or tuple; InvalidArgumentError naming
+    it otherwise (not a TypeError from deep inside a kernel call)."""
+    if not isinstance(parts, (list, tuple)):
+        try:
+            parts = list(parts)
+        except TypeError:
+            raise InvalidArgumentError(
+                "parts", f"expected a sequence of arrays, got {type(parts).__name__}"
+            ) from None
+    if len(parts) == 0:
+        raise InvalidArgumentError("parts", "expected at least one array")
+    return parts
 
 
 def _half_kind(dtype: DType) -> int:
@@ -1010,10 +1050,7 @@ def average_into(dst: np.ndarray, parts: Sequence[np.ndarray], divisor: int,
     """
     value = _check_divisor(divisor, dtype)
     d = _flat(dst, dtype, "dst", writable=True)
-    if not isinstance(parts, (list, tuple)):
-        parts = list(parts)
-    if len(parts) == 0:
-        raise InvalidArgumentError("parts", "expected at least one array")
+    parts = _part_list(parts)
     flat = [d if p is dst else _flat(p, dtype, f"parts[{i}]", d.size)
             for i, p in enumerate(parts)]
     for i, p in enumerate(flat):
@@ -1035,14 +1072,16 @@ def rows_reducer(op: str, dtype: DType, parts: Sequence[np.ndarray],
     addresses taken once; a call then costs the kernel. ``dst``:
     C-contiguous, 1-D, ``dtype.storage``, the parts' size, overlapping none
     of them."""
-    code = _OP_CODES.get(op) if op != "avg" else _OP_CODES["sum"]
+    code = None
+    if isinstance(op, str):
+        code = _OP_CODES["sum"] if op == "avg" else _OP_CODES.get(op)
     if code is None:
         raise InvalidArgumentError("op", f"unknown op {op!r}")
-    if len(parts) == 0:
-        raise InvalidArgumentError("parts", "expected at least one array")
+    parts = _part_list(parts)
     if with_dst and code != _OP_CODES["sum"]:
         raise InvalidArgumentError("with_dst", f"only for sum and avg, not {op!r}")
-    flat = [_flat(p, dtype, f"parts[{i}]", parts[0].size) for i, p in enumerate(parts)]
+    size = _flat(parts[0], dtype, "parts[0]").size  # checked before its size is used
+    flat = [_flat(p, dtype, f"parts[{i}]", size) for i, p in enumerate(parts)]
     if code == _OP_CODES["sum"]:
         value = _check_divisor(divisor, dtype)
         chunked = _chunks(flat[0].size, flat[0].itemsize) is not None
