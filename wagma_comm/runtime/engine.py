@@ -853,9 +853,7 @@ class Engine:
                 raise  # Ctrl-C on a driving waiter stays Ctrl-C (after the finally)
         finally:
             if not handed_over:
-                if work.on_complete is not None:
-                    work.on_complete(result, error)
-                work.handle._complete(result, error)
+                self._complete_work(work, result, error)
 
     def program(self, schedule: Schedule, dtype: DType) -> Program:
         """The inline form of ``schedule`` over ``dtype`` (made once and
@@ -1193,9 +1191,24 @@ class Engine:
         run.stage_index = -1
         run.ready.clear()
         self._stats["completed" if error is None else "failed"] += 1
-        if run.work.on_complete is not None:
-            run.work.on_complete(result, error)
-        run.work.handle._complete(result, error)
+        self._complete_work(run.work, result, error)
+
+    def _complete_work(self, work: Work, result: Any, error: BaseException | None) -> None:
+        """Tell ``work``'s service (on_complete), then its handle. A callback
+        that raises (a bug) still completes the handle, with that failure:
+        the engine breaks on it, and the Work is no longer in flight, so no
+        waiter would ever be woken."""
+        try:
+            if work.on_complete is not None:
+                work.on_complete(result, error)
+        except BaseException as exc:
+            if error is None:
+                result, error = None, TransportError(
+                    f"{work.collective} (round {work.seq}): its completion callback "
+                    f"failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            work.handle._complete(result, error)
 
     def _drop(self, posted: dict[int, Any], error: BaseException | None) -> None:
         """Give up the outstanding requests of a failed run. They are cancelled,
@@ -1216,9 +1229,7 @@ class Engine:
         """Fail a Work that never started (it is no longer queued); its
         service learns it as from a Work that failed in flight."""
         self._stats["failed"] += 1
-        if work.on_complete is not None:
-            work.on_complete(None, error)
-        work.handle._complete(None, error)
+        self._complete_work(work, None, error)
 
     def _check_deadlines(self) -> None:
         """Timeouts, the watchdog and dead peers (runtime/watch.py). Both
@@ -1326,6 +1337,10 @@ class Engine:
             service.fail(error)
 
     def _fail_all(self, error: WagmaError) -> None:
+        """Fail everything in flight or queued, the submissions not taken yet
+        included (the progress thread dying left them to their deadline,
+        and a polled handle of theirs to nobody)."""
+        self._take_incoming()
         for run in list(self._active):
             self._finish(run, error=error)
         while self._waiting:

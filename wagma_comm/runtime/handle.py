@@ -83,14 +83,20 @@ class Handle:
 
     def test(self) -> bool:
         """Non-blocking: True if finished. Raises the collective's error if it
-        failed, so a polling loop cannot miss a failure."""
+        failed, so a polling loop cannot miss a failure, and the error wait()
+        raises when nobody will finish it (the progress engine stopped, or
+        it is unfinished well past its deadline), so such a loop ends."""
         if not self._done:
             if self._nudge is not None:
                 self._nudge(self)  # Engine.nudge: a turn of the engine, as MPI_Test
             else:
                 os.sched_yield()  # a polling loop lets the progress thread have the GIL
             if not self._done:
-                return False
+                stalled = self._stalled()
+                if not self._done:  # (it may have finished meanwhile)
+                    if stalled is not None:
+                        raise stalled
+                    return False
         if self._error is not None:
             raise self._error
         return True
@@ -102,39 +108,50 @@ class Handle:
         (when the engine turns a hang into CollectiveTimeoutError). With
         ``timeout`` it raises WaitTimeoutError after that many seconds, and the
         collective keeps running. A ``timeout`` beyond what a lock wait takes
-        (``threading.TIMEOUT_MAX``, infinity) is the same as none.
+        (``threading.TIMEOUT_MAX``, infinity) is the same as none. Either way
+        a handle nobody will finish raises at once: CommunicatorClosedError
+        once the progress engine stopped, CollectiveTimeoutError ``_GRACE_S``
+        past the collective's deadline.
         """
         given = timeout
         if timeout is not None:
             timeout = check_wait_timeout(timeout)
+        start = time.monotonic()
         if self._drive is not None and not self._done:
-            start = time.monotonic()
             self._drive(self, self._deadline if timeout is None else start + timeout)
-            if timeout is not None:
-                timeout = max(0.0, timeout - (time.monotonic() - start))
-        if timeout is not None:
-            if not self._wait_done(timeout):
+        # In slices, so a dead or stuck engine is noticed with or without a
+        # timeout (a timed wait on a dead engine said "still running, call
+        # wait() again", after the whole timeout, for ever).
+        end = None if timeout is None else start + timeout
+        while not self._wait_done(0.5 if end is None
+                                  else min(0.5, max(0.0, end - time.monotonic()))):
+            stalled = self._stalled()
+            if stalled is not None and not self._done:
+                raise stalled
+            if end is not None and time.monotonic() >= end and not self._done:
                 raise WaitTimeoutError(
                     f"{self.collective} (round {self.round}) still running after "
                     f"wait({given}); call wait() again"
                 )
-        else:
-            while not self._wait_done(0.5):
-                if not self._engine_alive():
-                    raise CommunicatorClosedError(
-                        f"{self.collective} (round {self.round}): the progress engine "
-                        "stopped before completing it"
-                    )
-                if time.monotonic() > self._deadline + _GRACE_S:
-                    raise CollectiveTimeoutError(
-                        self.collective, self.round, (),
-                        f"not finished {_GRACE_S:g} s after its deadline, and the progress "
-                        "engine (still running) did not fail it: which ranks it waits for "
-                        "is unknown; treat the communicator as broken"
-                    )
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _stalled(self) -> BaseException | None:
+        """The error of a handle nobody will complete (None while someone
+        may): its progress engine stopped, or it is still running
+        ``_GRACE_S`` past its deadline, which the engine fails runs at."""
+        if not self._engine_alive():
+            return CommunicatorClosedError(
+                f"{self.collective} (round {self.round}): the progress engine "
+                "stopped before completing it")
+        if time.monotonic() > self._deadline + _GRACE_S:
+            return CollectiveTimeoutError(
+                self.collective, self.round, (),
+                f"not finished {_GRACE_S:g} s after its deadline, and the progress "
+                "engine (still running) did not fail it: which ranks it waits for "
+                "is unknown; treat the communicator as broken")
+        return None
 
     @property
     def elapsed(self) -> float | None:
