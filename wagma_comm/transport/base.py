@@ -165,7 +165,9 @@ class Transport(ABC):
         order everywhere: called only after a barrier proved every rank there.
         A barrier that completed here may have timed out on a peer, which then
         never joins: raises CollectiveTimeoutError after the transport's
-        timeout rather than blocking for ever."""
+        timeout rather than blocking for ever; TransportError, naming the
+        channel, where the transport fails a duplication (e.g. MPI has no
+        context id left)."""
 
     @abstractmethod
     def close_channels(self, names: Sequence[str]) -> None:

@@ -37,33 +37,53 @@ _KEPT: list[Any] = []
 ABANDONED: list[tuple[Any, MPI.Request]] = []
 
 
+def mpi_error(what: str, exc: MPI.Exception, round: int = -1, step: str = "") -> TransportError:
+    """``exc`` as the TransportError the library promises (never a bare
+    mpi4py exception), naming the call ``what`` (its ``round``, if any, and
+    the ``step`` of it that failed)."""
+    where = what if round < 0 else f"{what} (round {round})"
+    failed = f"{step} failed: " if step else ""
+    return TransportError(f"{where}: {failed}MPI error: {exc.Get_error_string()}",
+                          exc.Get_error_code())
+
+
 def wait_with_deadline(request: MPI.Request, uses: Any, deadline: float, what: str,
                        ranks: Sequence[int] = (), detail: str = "did not complete",
-                       nap_limit: float = 1e-3, round: int = -1) -> None:
+                       nap_limit: float = 1e-3, round: int = -1, step: str = "") -> None:
     """Test ``request`` until it completes, napping up to ``nap_limit`` s between
     tests (ranks may outnumber cores; 0 spins). Past ``deadline``
     (``time.monotonic()``) the request and what it ``uses`` go to ABANDONED
     (MPI may still write into it) and CollectiveTimeoutError names ``what``,
-    its ``round`` and the ``ranks`` waited for."""
+    its ``round`` and the ``ranks`` waited for. A request MPI fails (e.g. a
+    duplication with no context id left) raises TransportError naming ``what``
+    and the ``step`` it was."""
     nap = 0.0
-    while not request.Test():
-        if time.monotonic() > deadline:
-            ABANDONED.append((uses, request))
-            raise CollectiveTimeoutError(what, round, ranks, detail)
-        if nap_limit:
-            nap = min(nap_limit, nap * 2 or 2e-5)
-            time.sleep(nap)
+    try:
+        while not request.Test():
+            if time.monotonic() > deadline:
+                ABANDONED.append((uses, request))
+                raise CollectiveTimeoutError(what, round, ranks, detail)
+            if nap_limit:
+                nap = min(nap_limit, nap * 2 or 2e-5)
+                time.sleep(nap)
+    except MPI.Exception as exc:
+        raise mpi_error(what, exc, round, step) from exc
 
 
 def dup_with_deadline(comm: MPI.Comm, timeout: float, what: str) -> MPI.Comm:
     """``comm.Dup()`` that raises CollectiveTimeoutError after ``timeout``
     seconds (MPI_Comm_idup) instead of waiting forever for a rank that never
     takes part. ``what`` names the call in the error. MPI cannot say which
-    ranks are missing from a duplication, so the error names none."""
-    dup, request = comm.Idup()
+    ranks are missing from a duplication, so the error names none. An MPI
+    error (no context id left) raises TransportError naming ``what``."""
+    try:
+        dup, request = comm.Idup()
+    except MPI.Exception as exc:
+        raise mpi_error(what, exc, step="duplicating the MPI communicator") from exc
     wait_with_deadline(request, dup, time.monotonic() + timeout, what,
                        detail=f"duplicating the MPI communicator did not complete within "
-                       f"{timeout:g} s: some rank never called {what}")
+                       f"{timeout:g} s: some rank never called {what}",
+                       step="duplicating the MPI communicator")
     return dup
 
 
@@ -115,8 +135,10 @@ class MPITransport(Transport):
             # must not collide with any (seq, msg) tag of a channel.
             self._create_comm = self._init_dup(comm, deadline, timeout, "group creation")
             made.append(self._create_comm)
-        except BaseException:
+        except BaseException as exc:
             self._abandon_init(made, segment)
+            if isinstance(exc, MPI.Exception):  # an MPI call of a step failed
+                raise mpi_error("init()", exc) from exc
             raise
         tag_ub = user_comm.Get_attr(MPI.TAG_UB) or 32767
         self._window = max(1, (int(tag_ub) + 1) >> MSG_BITS)
@@ -132,7 +154,7 @@ class MPITransport(Transport):
         wait_with_deadline(request, uses, deadline, "init()",
                            detail=f"{step} did not complete within the {timeout:g} s of "
                            "init(): a rank gave up on init() at its own deadline, or "
-                           "stopped before this step")
+                           "stopped before this step", step=step)
 
     def _init_dup(self, comm: MPI.Comm, deadline: float, timeout: float,
                   purpose: str) -> MPI.Comm:
@@ -290,12 +312,16 @@ class MPITransport(Transport):
         for name in names:
             if name in self._comms:
                 raise TransportError(f"channel {name!r} already open")
-            comm, request = base.Idup()
+            what = f"set-up of channels {list(names)}"
+            step = f"duplicating the communicator for channel {name!r}"
+            try:
+                comm, request = base.Idup()
+            except MPI.Exception as exc:
+                raise mpi_error(what, exc, step=step) from exc
             wait_with_deadline(
-                request, comm, deadline, f"set-up of channels {list(names)}",
-                detail=f"duplicating the communicator for channel {name!r} did not complete "
-                f"within {self._timeout:g} s: a rank gave up on the set-up (its barrier "
-                "timed out) or stopped")
+                request, comm, deadline, what,
+                detail=f"{step} did not complete within {self._timeout:g} s: a rank gave up "
+                "on the set-up (its barrier timed out) or stopped", step=step)
             comm.Set_errhandler(MPI.ERRORS_RETURN)
             self._comms[name] = comm
 
