@@ -4,6 +4,7 @@ when a peer is late, and time out naming the missing ranks."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -577,3 +578,81 @@ def test_an_inline_timeout_does_not_name_a_rank_whose_message_came() -> None:
         sub.Barrier()
         c.close(cancel=True)
         sub.Free()
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
+def test_a_call_interrupted_before_it_posted_keeps_no_reference_to_its_buffer(
+        monkeypatch: pytest.MonkeyPatch, straight: bool) -> None:
+    """Ctrl-C while an inline run is set up (nothing posted, the
+    communicator stays usable): the caller's array must not stay referenced
+    once the call is over, here after a later call of the same shape, so
+    ndarray.resize still works. The straight line's failure state was the
+    program's reusable run state, which kept the array for good."""
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", straight)
+    c = wagma_comm.init(timeout=20)
+    real = inline_mod.Program.prepare
+
+    def interrupted(self: inline_mod.Program) -> None:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    try:
+        c.barrier()
+        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+        mine = np.ones(3, np.float32)
+        try:
+            c.allreduce(mine)  # a new program: prepared in the run
+        except KeyboardInterrupt:
+            pass
+        else:
+            pytest.fail("the interruption did not reach the caller")
+        assert c.statistics()["broken"] is None
+        buf = np.full(3, RANK + 1, np.float32)
+        c.allreduce(buf)
+        np.testing.assert_array_equal(buf, _expected(3, np.float32))
+        gc.collect()  # the failure's traceback frames refer to it until collected
+        mine.resize(9, refcheck=True)  # raises ValueError if still referenced
+    finally:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
+        WORLD.Barrier()
+        c.close()
+
+
+def test_ranks_on_different_paths_still_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks need not take the same path for a call: each decides alone
+    (its own engine idle or not, its own executor), and the messages are
+    the same on every path. Even ranks run straight lines, odd ranks the
+    dataflow executor, and the last rank has a large call in flight, so its
+    blocking calls queue through the engine; every result must be right."""
+    if SIZE == 1:
+        pytest.skip("one rank has nobody to disagree with")
+    from wagma_comm.runtime import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", RANK % 2 == 0)
+    c = wagma_comm.init(timeout=30)
+    try:
+        c.barrier()
+        rng = np.random.default_rng(7)
+        before = c.statistics()
+        for algorithm in ("recursive_doubling", "rabenseifner", "ring", "native"):
+            big = np.full(INLINE_MAX_BYTES // 4 + 1, RANK + 1, np.float32)
+            handle = c.allreduce(big, async_op=True)
+            if RANK != SIZE - 1:
+                handle.wait()  # idle again: the small calls below run inline here
+            for count in (1, 5, 33):
+                data = rng.integers(-50, 50, size=(SIZE, count)).astype(np.float64)
+                buf = data[RANK].copy()
+                c.allreduce(buf, op="sum", algorithm=algorithm)
+                np.testing.assert_array_equal(buf, data.sum(0))
+            handle.wait()
+            np.testing.assert_array_equal(big, _expected(big.size, np.float32))
+        after = c.statistics()
+        inline = after["inline"] + after["inline_handed_over"] - (
+            before["inline"] + before["inline_handed_over"])
+        if RANK == 0:  # (a call may still queue if the progress thread held the engine)
+            assert inline > 0, "rank 0 ran none of its small calls inline"
+    finally:
+        WORLD.Barrier()
+        c.close()

@@ -7,10 +7,10 @@ round; a blocking small collective with nothing else in flight needs none of
 that. A :class:`Program` is a schedule lowered once (op kinds, peers, message
 numbers, reduce kernels and views of its own scratch resolved); each call
 binds the caller's buffer and runs the same dataflow (post what is ready, test
-all outstanding requests with one transport call, yield the CPU between
-tests), and stops early when a peer is late, so the engine can take the rest
-over with the very same requests (:class:`ProgramRun`). The engine stays the
-only issuer: see ``Engine.run_inline``.
+one outstanding request per poll and all of them once one completed, yield
+the CPU between polls), and stops early when a peer is late, so the engine
+can take the rest over with the very same requests (:class:`ProgramRun`).
+The engine stays the only issuer: see ``Engine.run_inline``.
 
 The local ops (reduce, copy, scale) live here too; the engine runs them the
 same way.

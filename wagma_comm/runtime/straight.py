@@ -219,7 +219,13 @@ class StraightLine:
             done, outstanding = self.order.done[point], self.order.outstanding[point]
         schedule = program.schedule
         started = done | set(outstanding)
-        run = program.start(data)
+        # A run state of its own, not the program's reusable one: after a
+        # failure that posted nothing the engine keeps the program as it is,
+        # and the program would then hold the caller's buffer for good (the
+        # straight line never resets that state), so ndarray.resize failed.
+        program.prepare()
+        run = ProgramRun(program, program._args)
+        run.data = data
         run.remaining[:] = [sum(1 for d in deps if d not in done) for deps in schedule.deps]
         issued = sorted(started)
         run.ready[:] = issued + [i for i in range(len(schedule.ops))
