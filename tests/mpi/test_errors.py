@@ -573,6 +573,43 @@ def test_a_size_mismatch_on_the_message_path_is_never_a_silent_result(
             assert o[1], "a timeout names the ranks it waited for"
 
 
+@pytest.mark.parametrize("path", ["straight-line", "dataflow", "executor"])
+def test_errors_name_the_call_made_not_its_schedule(monkeypatch: pytest.MonkeyPatch,
+                                                    path: str) -> None:
+    """A group_allreduce's size mismatch run inline was a MessageSizeError of
+    "allreduce" (its schedule's name; the engine said group_allreduce), and a
+    native broadcast that MPI failed was a TransportError naming no call at
+    all ("MPI error: See the MPI_ERROR field in MPI_Status")."""
+    from wagma_comm.runtime import engine as engine_mod
+
+    if SIZE != 2:
+        pytest.skip("rank-count independent: run at 2 ranks")
+    monkeypatch.setattr(engine_mod, "STRAIGHT_LINES", path == "straight-line")
+    count = INLINE_MAX_BYTES // 4 + 1 if path == "executor" else 5
+    with message_path():
+        c = wagma_comm.init(timeout=3)
+    try:
+        with pytest.raises((wagma_comm.MessageSizeError,
+                            wagma_comm.CollectiveTimeoutError)) as info:
+            c.group_allreduce(np.ones(count + RANK, np.float32), 2, 0,
+                              algorithm="recursive_doubling")
+        assert info.value.collective == "group_allreduce", info.value
+    finally:
+        c.close()
+    with message_path():
+        c = wagma_comm.init(timeout=3)
+    try:
+        outcome = "done"
+        try:  # rank 1's receive is shorter than rank 0's message
+            c.broadcast(np.ones(count * (2 - RANK), np.float32), 0, algorithm="native")
+        except wagma_comm.TransportError as err:
+            outcome = str(err)
+    finally:
+        c.close(cancel=True)
+    if RANK == 1:
+        assert outcome.startswith("broadcast (round 0): MPI error"), outcome
+
+
 @pytest.mark.parametrize("root_is_last", [False, True], ids=["root-0", "root-last"])
 def test_a_broadcast_with_a_count_mismatch_never_returns_wrong_data(root_is_last: bool) -> None:
     """The last rank passes one element more. A broadcast has no reduction,

@@ -214,6 +214,14 @@ class _Run:
         self.arrays = arrays
 
 
+def _naming(where: str, error: TransportError) -> TransportError:
+    """``error`` as it reads prefixed by ``where`` (the collective and round it
+    broke), its MPI code kept; the message already carries that code."""
+    named = TransportError(f"{where}: {error}")
+    named.code = error.code
+    return named
+
+
 def _add_program_counts(stats: dict[str, int], program: Program, runs: int) -> None:
     """What ``runs`` inline runs of ``program`` finished add to the counters
     (counted per program, not per call: the per-call path stays lean)."""
@@ -890,16 +898,26 @@ class Engine:
         failure: BaseException = exc
         broken: WagmaError | None = None
         communicated = state is not None and state.issued_any_message()
+        work = work_of(*work_args)
         if isinstance(exc, TransportError):
-            broken = exc
+            # Named as the call the user made: the executors know only the
+            # schedule (a group_allreduce's is "allreduce"), and MPI's own
+            # errors (a failed native call) named no collective at all.
+            if isinstance(exc, MessageSizeError):
+                if exc.collective != work.collective:
+                    failure = MessageSizeError(work.collective, exc.round, exc.ranks[0],
+                                               exc.expected, exc.received)
+            elif not isinstance(exc, CollectiveError):
+                failure = _naming(f"{work.collective} (round {work.seq})", exc)
+            broken = failure  # type: ignore[assignment]
             dead = self._watch.dead_among(schedule.ranks, settle=True)
             if dead is not None:  # MPI's error is how the death showed
-                work = work_of(*work_args)
                 failure = broken = dead(work.collective, work.seq)
         elif isinstance(exc, RankFailedError):
             broken = exc
         elif not isinstance(exc, WagmaError) and communicated:
-            broken = TransportError(f"an inline collective was interrupted: {exc!r}")
+            broken = TransportError(f"{work.collective} (round {work.seq}): an inline "
+                                    f"collective was interrupted: {exc!r}")
             if isinstance(exc, Exception):  # a bug: report it as the transport's
                 failure = broken
         if state is not None:
@@ -907,6 +925,7 @@ class Engine:
                 self._abandoned.append(state.program.arrays(state.data))
                 state.program.drop_scratch()
             self._drop(state.posted(self._transport), failure)
+            state.data = None  # the program keeps its run state: not the caller's buffer
         self._stats["failed"] += 1
         if broken is not None:
             self._break(broken)
@@ -1102,7 +1121,16 @@ class Engine:
                         if run is not None and type(run.ops[i]) is Recv]
             found = overlong_receive(self._transport, exc, self._statuses or [], receives)
             if found is None:
-                raise
+                if isinstance(exc, CollectiveError):
+                    raise
+                # MPI does not say whose request failed (a native call's):
+                # name what was in flight, since every one of them fails now.
+                runs = list(dict.fromkeys(run for run, _ in self._owners if run is not None))
+                names = ", ".join(f"{run.work.collective} (round {run.work.seq})"
+                                  for run in runs)
+                if not runs:
+                    raise
+                raise _naming(names if len(runs) == 1 else f"one of {names}", exc) from exc
             run, i = self._owners[found]
             raise self._size_error(run, i, None) from exc
 

@@ -420,8 +420,22 @@ class MPITransport(Transport):
         try:
             done = MPI.Request.Testsome(requests, statuses)
         except MPI.Exception as exc:
-            raise self.error_of(exc) from exc
+            raise self._error_in_statuses(exc, statuses) from exc
         return done or []
+
+    def _error_in_statuses(self, exc: MPI.Exception,
+                           statuses: list[Any] | None) -> BaseException:
+        """``exc`` as a TransportError; where it is MPI_ERR_IN_STATUS ("see the
+        MPI_ERROR field"), saying what the first failed status says (e.g. a
+        truncated message), its code kept (overlong() reads it)."""
+        error = self.error_of(exc)
+        code = exc.Get_error_code()
+        if statuses and MPI.Get_error_class(code) == MPI.ERR_IN_STATUS:
+            failed = [st.Get_error() for st in statuses
+                      if MPI.Get_error_class(st.Get_error()) not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+            if failed:
+                return TransportError(f"MPI error: {MPI.Get_error_string(failed[0])}", code)
+        return error
 
     def test_one(self, request: Any, status: Any = None) -> bool:
         try:
