@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
-from wagma_comm.bench.measure import side_by_side
+from wagma_comm.bench.measure import run_or_abort, side_by_side
 
 SIZES = (8, 1024, 64 << 10)  # bytes; 64 KiB is the largest small call (INLINE_MAX_BYTES)
 
@@ -57,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

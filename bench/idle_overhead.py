@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.bench.measure import run_or_abort
 
 
 def python_loop(n: int = 2_000_000) -> int:
@@ -114,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

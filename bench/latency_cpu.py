@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
-from wagma_comm.bench.measure import alternating
+from wagma_comm.bench.measure import alternating, run_or_abort
 
 
 def measure(call: Callable[[], object], iters: int, world: MPI.Comm) -> tuple[float, float]:
@@ -77,4 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

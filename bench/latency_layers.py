@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm import dtypes
-from wagma_comm.bench.measure import alternating
+from wagma_comm.bench.measure import alternating, run_or_abort
 from wagma_comm.kernels import host as host_kernels
 from wagma_comm.runtime import inline, straight
 from wagma_comm.transport.base import CHANNEL_DATA
@@ -80,6 +80,10 @@ def main() -> None:
 
     comm.allreduce(buf)  # compiles the call; its program is then cached
     sched, _ = next(iter(comm._prepared.values()))
+    if not hasattr(sched, "ops"):  # a shared-memory call: no schedule, no layers
+        raise SystemExit("latency_layers.py: the 8-byte allreduce went through shared memory, "
+                         "which has no schedule to probe; run it with WAGMA_SHM=0 "
+                         "(mpiexec -genv WAGMA_SHM 0 ...)")
     program = comm._engine.program(sched, dtype)
     seq = [1 << 20]  # message numbers of our own, after the real calls'
 
@@ -139,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -29,7 +29,7 @@ from mpi4py import MPI
 from numba import njit
 
 import wagma_comm
-from wagma_comm.bench.measure import alternating
+from wagma_comm.bench.measure import alternating, run_or_abort
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -142,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.bench.measure import run_or_abort
 
 WORLD = MPI.COMM_WORLD
 
@@ -65,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm.bench.cli import parse_size
-from wagma_comm.bench.measure import iterations_for, side_by_side
+from wagma_comm.bench.measure import iterations_for, run_or_abort, side_by_side
 from wagma_comm.bench.peers import close_peers, make_peers
 
 
@@ -103,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.bench.measure import run_or_abort
 from wagma_comm.imbalance import make_injector
 from wagma_comm.partial import base, wagma
 
@@ -170,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -304,3 +304,51 @@ def test_progress_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError):
         Progress(3, stream=io.StringIO()).advance(-2)
     assert [format_duration(s) for s in (0, 65.2, 3725)] == ["0:00", "1:05", "1:02:05"]
+
+
+@needs_mpl
+def test_wait_avoiding_title_names_groups_not_the_job(tmp_path: Path) -> None:
+    """A wait_avoiding row's group_size is one group's ranks (as
+    group_allreduce's): its panel said '(4 ranks)' for a run on 8."""
+    rows, meta = plot.load_bench_json(HOST8)
+    wa = [dict(r, collective="wait_avoiding") for r in rows
+          if r["collective"] == "group_allreduce"]
+    fig = plot.plot_bandwidth(wa, tmp_path / "wa.png", meta)
+    assert [ax.get_title() for ax in fig.axes] == ["wait_avoiding (groups of 4 of 8 ranks)"]
+
+
+@needs_mpl
+def test_main_replots_a_delays_sweep(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`wagma bench imbalance --delays ... --json F` writes {"sweep": [one
+    result per delay]}; re-plotting F failed with "no 'rates'"."""
+    base = json.loads(IMB8.read_text())
+    runs = [dict(base, injector=f"reference:{d}:2" if d else "none") for d in (0.0, 0.025, 0.05)]
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"sweep": runs}))
+    out = tmp_path / "sweep.png"
+    assert plot.main([str(sweep), "-o", str(out)]) == 0, capsys.readouterr().err
+    assert _png_size(out)[0] > 500
+    points, meta = plot.points_from_imbalance([sweep])
+    assert meta == {"injector": "reference", "compute_s": 0.05, "ranks": 8}
+    assert sorted({p["delay_s"] for p in points}) == [0.0, 0.025, 0.05]
+    assert len(points) == 3 * len(base["rates"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sweep": [runs[0], {"ranks": 8}]}))
+    assert plot.main([str(bad), "-o", str(out)]) == 2
+    assert f"{str(bad)!r} sweep[1]: not a 'wagma imbalance --json'" in capsys.readouterr().err
+
+
+@needs_mpl
+def test_title_names_the_gpu_and_fits_one_panel(tmp_path: Path) -> None:
+    """A one-collective plot is narrower than its title: a real CPU model
+    pushed both ends of it off the image, and a --device cuda run's title
+    named the CPU but never the GPU it measured."""
+    rows, meta = plot.load_bench_json(HOST8)
+    meta = dict(meta, cpu="Intel(R) Xeon(R) Processor", cpus=16, gpu="NVIDIA H100 80GB HBM3")
+    fig = plot.plot_bandwidth([r for r in rows if r["collective"] == "allreduce"],
+                              tmp_path / "one.png", meta)
+    title = fig._suptitle
+    assert "NVIDIA H100 80GB HBM3" in title.get_text()
+    box = title.get_window_extent(fig.canvas.get_renderer())
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)

@@ -24,6 +24,20 @@ from mpi4py import MPI
 from ..comm import check_timeout, default_timeout
 
 
+def run_or_abort(main: Callable[[], Any]) -> None:
+    """Run a ``bench/`` script's ``main``; any rank's error ends the whole job
+    (MPI_Abort when it exits), since the other ranks may be waiting in a raw
+    MPI call that has no timeout: MPICH does not end a job when one rank
+    raises, and the job then hung until killed."""
+    from mpi4py.run import set_abort_status
+
+    try:
+        main()
+    except BaseException as exc:
+        set_abort_status(exc)
+        raise
+
+
 @dataclass
 class Timing:
     """Seconds per call: mean over ranks of each rank's median, min and max."""

@@ -65,6 +65,8 @@ _TICK_TIERS: tuple[tuple[int, ...], ...] = (
 )
 _MAX_TICKS = 9
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
+# Rows whose group_size is one group's size, not the job's ranks.
+_GROUP_COLLECTIVES = ("group_allreduce", "wait_avoiding")
 
 
 # ----------------------------------------------------------------- helpers
@@ -159,7 +161,8 @@ def _number(value: Any) -> float | None:
 
 
 def _machine(meta: Mapping[str, Any] | None) -> str:
-    """'8 ranks, AMD EPYC (2 CPUs), MPICH 5.0.2' from a result file's meta."""
+    """'8 ranks, AMD EPYC (2 CPUs), MPICH 5.0.2' from a result file's meta
+    (and the GPU, when the run had one)."""
     if not meta:
         return ""
     parts = []
@@ -168,6 +171,9 @@ def _machine(meta: Mapping[str, Any] | None) -> str:
     cpu = str(meta.get("cpu") or "").strip()
     if cpu:
         parts.append(cpu + (f" ({meta['cpus']} CPUs)" if meta.get("cpus") else ""))
+    gpu = str(meta.get("gpu") or "").strip()
+    if gpu:  # a --device cuda run measured the GPU, not the CPU
+        parts.append(gpu)
     lib = " ".join(str(meta.get("mpi_library") or "").split())
     lib = re.sub(r"\s*Version:\s*", " ", lib)  # "MPICH Version: 5.0.2" -> "MPICH 5.0.2"
     if lib:
@@ -347,7 +353,7 @@ def plot_sweep(rows: Sequence[Any], path: str | os.PathLike[str],
             if r == 0:
                 group = _group_info(rows, coll)
                 ranks = (meta or {}).get("ranks")
-                if coll.startswith("group") and group:
+                if coll in _GROUP_COLLECTIVES and group:  # group_size: one group's ranks
                     ax.set_title(f"{coll} (groups of {group}" +
                                  (f" of {ranks} ranks)" if ranks else ")"))
                 else:
@@ -365,7 +371,7 @@ def plot_sweep(rows: Sequence[Any], path: str | os.PathLike[str],
     machine = _machine(meta)
     if machine:
         title += f" — {machine}"
-    fig.suptitle(title, fontsize="medium")
+    fig.suptitle(title, fontsize="medium", wrap=True)  # one panel is narrower than the title
     _save(fig, path)
     return fig
 
@@ -418,10 +424,27 @@ def _injected_delay(spec: str, ranks: int) -> tuple[str, float]:
     return "none", 0.0
 
 
+def _imbalance_runs(results: Iterable[str | os.PathLike[str] | Mapping[str, Any]]
+                    ) -> Iterable[tuple[str, Any]]:
+    """(name for errors, one run's result) per run: a ``--delays`` sweep's
+    JSON (``{"sweep": [...]}``) holds one result per delay, and the plot it
+    came with must be redrawable from it."""
+    for item in results:
+        data = item if isinstance(item, Mapping) else _read_json(item)
+        name = "result" if isinstance(item, Mapping) else repr(os.fspath(item))
+        sweep = data.get("sweep") if isinstance(data, Mapping) else None
+        if isinstance(sweep, list) and "rates" not in data:
+            for k, run in enumerate(sweep):
+                yield f"{name} sweep[{k}]", run
+        else:
+            yield name, data
+
+
 def points_from_imbalance(results: Iterable[str | os.PathLike[str] | Mapping[str, Any]]
                           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Points and meta for :func:`plot_imbalance` from several ``wagma imbalance
-    --json`` outputs (file paths or loaded dicts), typically one per delay.
+    --json`` outputs (file paths or loaded dicts), typically one per delay, or
+    from the one JSON of a ``--delays`` sweep.
 
     Each point is ``{"method", "delay_s", "it_per_s", "expected"}`` (expected:
     the analytic it/s for that method, or None). ``meta`` carries ``ranks``,
@@ -431,9 +454,7 @@ def points_from_imbalance(results: Iterable[str | os.PathLike[str] | Mapping[str
     compute: set[float] = set()
     ranks: set[int] = set()
     n = 0
-    for n, item in enumerate(results, 1):
-        data = item if isinstance(item, Mapping) else _read_json(item)
-        name = "result" if isinstance(item, Mapping) else repr(os.fspath(item))
+    for n, (name, data) in enumerate(_imbalance_runs(results), 1):
         if not isinstance(data, Mapping) or not isinstance(data.get("rates"), Mapping):
             raise InvalidArgumentError(ARG, f"{name}: not a 'wagma imbalance --json' output "
                                             "(no 'rates')")
@@ -546,7 +567,7 @@ def plot_imbalance(points: Sequence[Mapping[str, Any]], path: str | os.PathLike[
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Re-plot saved results: one ``wagma bench --json`` file, or one or more
-    ``wagma imbalance --json`` files (one per delay)."""
+    ``wagma imbalance --json`` files (one per delay, or a ``--delays`` sweep)."""
     p = argparse.ArgumentParser(prog="python -m wagma_comm.bench.plot",
                                 description=main.__doc__)
     p.add_argument("results", nargs="+", help="JSON result file(s)")
@@ -569,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        [c.strip() for c in args.collective.split(",") if c.strip()]
                        if args.collective else None)
         else:
-            points, meta = points_from_imbalance([d for _, d in loaded])
+            points, meta = points_from_imbalance(args.results)  # errors name the file
             plot_imbalance(points, args.output, meta)
     except (InvalidArgumentError, UnsupportedError) as exc:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)

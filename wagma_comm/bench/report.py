@@ -9,6 +9,8 @@ import platform
 import sys
 from typing import Any
 
+from ..files import write_atomically
+
 # The targets of issues #2, #3 and #5, judged on ratios measured side by side.
 LARGE_BYTES = 16 << 20
 LARGE_VS_MPI = 1.15
@@ -133,7 +135,10 @@ def metadata(comm: Any, peers: list[Any]) -> dict[str, Any]:
         "python": platform.python_version(), "numpy": np.__version__,
         "numba": numba.__version__, "mpi4py": mpi4py.__version__,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-        "cpu": _cpu_model(), "cpus": len(os.sched_getaffinity(0)), "host": platform.node(),
+        # The machine's CPUs: rank 0's own set is one core when the launcher
+        # binds ranks (mpiexec -bind-to core), which is no count of the machine.
+        "cpu": _cpu_model(), "cpus": os.cpu_count() or len(os.sched_getaffinity(0)),
+        "rank0_cpus": len(os.sched_getaffinity(0)), "host": platform.node(),
         "gpu": None, "nccl": None,
         "peers": {p.name: p.version() for p in peers},
     }
@@ -159,13 +164,17 @@ def _cpu_model() -> str:
 
 
 def write_csv(path: str, rows: list[Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write("collective,impl,size,count,type,redop,group_size,time_us,min_us,max_us,"
-                 "algbw,busbw,aggbw,wrong\n")
-        for r in rows:
-            for name, v in r.results.items():
-                fh.write(f"{r.collective},{name},{r.nbytes},{r.count},{r.dtype},{r.op},"
-                         f"{r.group_size},{v['time_us']:.3f},{v['min_us']:.3f},"
-                         f"{v['max_us']:.3f},{v['algbw']:.4f},{v['busbw']:.4f},"
-                         f"{v.get('aggbw', '')},{int(v['wrong'])}\n")
+    """The rows as CSV at ``path``, whole or not at all (as ``--json``): a
+    failure part-way leaves an earlier file as it was, not half a table."""
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            fh.write("collective,impl,size,count,type,redop,group_size,time_us,min_us,max_us,"
+                     "algbw,busbw,aggbw,wrong\n")
+            for r in rows:
+                for name, v in r.results.items():
+                    fh.write(f"{r.collective},{name},{r.nbytes},{r.count},{r.dtype},{r.op},"
+                             f"{r.group_size},{v['time_us']:.3f},{v['min_us']:.3f},"
+                             f"{v['max_us']:.3f},{v['algbw']:.4f},{v['busbw']:.4f},"
+                             f"{v.get('aggbw', '')},{int(v['wrong'])}\n")
+
+    write_atomically(path, dump)
