@@ -352,3 +352,25 @@ def test_title_names_the_gpu_and_fits_one_panel(tmp_path: Path) -> None:
     assert "NVIDIA H100 80GB HBM3" in title.get_text()
     box = title.get_window_extent(fig.canvas.get_renderer())
     assert 0 <= box.x0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)
+
+
+def test_a_plot_is_written_whole_or_not_at_all(tmp_path) -> None:
+    """savefig wrote to the path itself: a save that failed part-way (a full
+    disk) left half an image over the last run's."""
+    from wagma_comm.bench import plot
+    from wagma_comm.errors import InvalidArgumentError
+
+    path = tmp_path / "out.svg"
+    path.write_text("the last run's plot")
+
+    class HalfWritten:
+        def savefig(self, target: str, **kwargs: object) -> None:
+            assert kwargs.get("format") == "svg"  # from the path, not the temporary's name
+            with open(target, "w") as fh:
+                fh.write("<svg")
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(InvalidArgumentError, match="No space left"):
+        plot._save(HalfWritten(), str(path))  # type: ignore[arg-type]
+    assert path.read_text() == "the last run's plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.svg"]

@@ -139,8 +139,13 @@ def check_image_path(path: str | os.PathLike[str], argument: str = ARG) -> str:
 
 
 def _save(fig: "Figure", path: str) -> None:
+    """Whole or not at all, as the JSON files (wagma_comm/files.py); the
+    format from ``path``'s extension, not the temporary file's."""
+    from ..files import write_atomically
+
+    ext = os.path.splitext(path)[1].lstrip(".").lower() or "png"
     try:
-        fig.savefig(path, dpi=120)
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format=ext))
     except OSError as exc:
         raise InvalidArgumentError(ARG, f"cannot write {path!r}: {exc}") from None
 
