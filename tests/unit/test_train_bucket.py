@@ -333,3 +333,65 @@ def test_names_that_are_no_sequence_of_names_are_refused_naming_names() -> None:
             FlatBucket(params, bad)  # type: ignore[arg-type]
         assert info.value.argument == "names"
     assert [s.name for s in FlatBucket(params, ("a", None)).specs] == ["a", None]
+
+
+def test_an_empty_tensor_keeps_its_place_in_the_layout_with_no_elements() -> None:
+    """An empty tensor (a zero-size bias, an empty pytree leaf) was refused
+    ("buffer is empty; nothing to reduce") while DistributedOptimizer leaves
+    such parameters out of its buckets. It keeps its place in the layout
+    (shape and dtype checked, naming it) with no elements, and a dtype
+    whose tensors are all empty has no buffer for the collectives."""
+    from wagma_comm.train.bucket import DeviceBucket
+
+    tensors = [np.arange(3, dtype=np.float32), np.zeros((0, 2), np.float32),
+               torch.zeros(0, dtype=torch.bfloat16), np.zeros((2, 0), ml_dtypes.bfloat16),
+               torch.nn.Parameter(torch.zeros(4, 0, dtype=torch.float64))]
+    for kind in (FlatBucket, DeviceBucket):
+        b = kind(tensors)
+        assert [(s.dtype, s.offset, s.count) for s in b.specs] == [
+            ("float32", 0, 3), ("float32", 3, 0), ("bfloat16", 0, 0), ("bfloat16", 0, 0),
+            ("float64", 0, 0)]
+        assert [len(f) for f in b.buffers()] == [3]  # the empty dtypes are left out
+        b.pack(tensors)
+        b.buffers()[0][...] = b.buffers()[0] * 2
+        out = [np.zeros(3, np.float32)] + tensors[1:]
+        b.unpack(out)
+        assert out[0].tolist() == [0.0, 2.0, 4.0]
+        assert [tuple(c.shape) for c in b.copies()] == [(3,), (0, 2), (0,), (2, 0), (4, 0)]
+        with pytest.raises(InvalidArgumentError, match=r"params\[1\].*got shape \(2, 0\)"):
+            b.pack([tensors[0], np.zeros((2, 0), np.float32), *tensors[2:]])
+        with pytest.raises(InvalidArgumentError, match=r"params\[2\].*float16"):
+            b.pack([*tensors[:2], torch.zeros(0, dtype=torch.float16), *tensors[3:]])
+    for bad in (np.zeros(0, np.complex64), torch.zeros(0, dtype=torch.complex64),
+                np.zeros(0, bool)):
+        with pytest.raises(BufferError, match=r"params\[1\]: unsupported dtype"):
+            FlatBucket([tensors[0], bad])
+
+
+def test_jax_empty_arrays_keep_their_place_too() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    tensors = [jnp.ones(2, jnp.float32), jnp.zeros((0, 3), jnp.bfloat16)]
+    b = FlatBucket(tensors)
+    assert [(s.dtype, s.count) for s in b.specs] == [("float32", 2), ("bfloat16", 0)]
+    b.pack(tensors)
+    assert [len(f) for f in b.buffers()] == [2]
+
+
+def test_writable_leaves_out_only_the_tensors_that_cannot_be_written() -> None:
+    """Unpacking validates every target before copying, so one read-only
+    tensor stopped every write: the Averager's set-up broadcast then left
+    each rank's writable tensors at its own values. ``writable`` keeps the
+    ones that can be written, for an unpack that writes them all."""
+    ro = np.ones(2, np.float32)
+    ro.flags.writeable = False
+    w, h = np.zeros(3, np.float32), np.zeros(2, ml_dtypes.bfloat16)
+    b = FlatBucket([w, ro, h])
+    assert [t is None for t in b.writable([w, ro, h])] == [False, True, False]
+    b.pack([np.full(3, 5.0, np.float32), ro, np.full(2, 6.0, ml_dtypes.bfloat16)])
+    b.unpack(b.writable([w, ro, h]))
+    assert w.tolist() == [5.0] * 3 and h.astype(np.float32).tolist() == [6.0] * 2
+    b.check([w, ro, h])  # read: the read-only one is fine
+    with pytest.raises(BufferError, match=r"params\[1\].*read-only"):
+        b.check([w, ro, h], writable=True)
+    with pytest.raises(InvalidArgumentError, match=r"params\[0\]"):
+        b.writable([np.zeros(4, np.float32), ro, h])  # the layout is still checked

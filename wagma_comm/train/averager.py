@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..errors import BufferError, CommunicatorClosedError, InvalidArgumentError
+from ..errors import CommunicatorClosedError, InvalidArgumentError
 from .bucket import DeviceBucket, FlatBucket, common_device
 from .methods import MODEL, AveragingInfo, Method, make_method
 from .methods.base import check_int
@@ -43,6 +43,23 @@ def _listed(tensors: Any, argument: str) -> Any:
     if tensors is None or isinstance(tensors, (list, tuple)):
         return tensors
     return FlatBucket._check_list(tensors, argument)
+
+
+def _flag(argument: str, value: Any) -> bool:
+    """A bool argument, refused otherwise: None or a string was taken for
+    its truth value without a word (``copy=None`` wrote in place)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(argument, f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_comm(comm: Any) -> None:
+    """What the Averager calls on ``comm``, checked as DistributedOptimizer
+    does (``None`` failed with a bare AttributeError)."""
+    for name in ("size", "rank", "allreduce", "broadcast"):
+        if not hasattr(comm, name):
+            raise InvalidArgumentError("comm", f"expected a wagma_comm Communicator "
+                                       f"(wagma_comm.init()), got {type(comm).__name__}")
 
 
 @dataclass(frozen=True)
@@ -89,12 +106,17 @@ class Averager:
                 and hasattr(names, "__iter__"):
             names = list(names)  # read three times below (a generator was empty the second)
         self.method = make_method(method, **knobs)
+        _check_comm(comm)
+        broadcast = _flag("broadcast", broadcast)
         self.comm = comm
         self.iteration = check_int("first_iteration", first_iteration, 0)
         check_choice(buckets, self.method)
         self.method.check_size(comm.size)  # before the set-up communicates
         # Every tensor is checked (and the layout made) before any communication.
         specs = FlatBucket.layout_of(params, names, argument="params")
+        if not any(spec.count for spec in specs):
+            raise InvalidArgumentError("params", "its tensors hold no elements; nothing to "
+                                       "average")
         device = common_device(params)
         if buckets == "device" and device is None:
             raise InvalidArgumentError("buckets", "device buckets need every tensor on one "
@@ -102,20 +124,31 @@ class Averager:
         self._on_device = agree_at_setup(comm, buckets, device and device[0], self.method)
         bucket = DeviceBucket if self._on_device else FlatBucket
         self._model = bucket(params, names, argument="params")
-        self._grads = bucket(params, names, argument="grads")
+        # A model method never uses a gradient bucket: a whole copy of the
+        # model (on the GPU, with device buckets) was allocated for nothing.
+        self._grads = (None if self.method.averages == MODEL
+                       else bucket(params, names, argument="grads"))
         check_consistent(comm, specs)
         self._model.pack(params)
         if broadcast:
             for b in self._model.buffers():
                 comm.broadcast(b, root=0)
-            try:
-                self._model.unpack(params)
-            except BufferError:
-                pass  # immutable params: the caller takes model() instead
-        self._work = self._model if self.method.averages == MODEL else self._grads
+            # Into every writable tensor; immutable ones (JAX) are read back
+            # with model(). One read-only tensor used to stop every write, so
+            # each rank kept its own values of the writable ones.
+            self._model.unpack(self._model.writable(params))
         self.stats = WaitStats()
         self._closed = False
+        self._final_statistics: dict[str, Any] = {}  # the collectives' at close()
         self.method.setup(comm, self._work.buffers(), self.iteration)
+
+    @property
+    def _work(self) -> FlatBucket:
+        """The bucket the method averages: the model's, or the gradients'
+        (released at close(), after which every use is refused)."""
+        work = self._model if self.method.averages == MODEL else self._grads
+        assert work is not None, "the gradient bucket is released at close()"
+        return work
 
     @property
     def specs(self) -> tuple[Any, ...]:
@@ -167,6 +200,8 @@ class Averager:
         Where the result would go is checked first: a missing or read-only
         target raises with the iteration still in flight (finish again, or
         with ``copy=True``) instead of after the wait, its result lost."""
+        self._check_open()  # close() drained the iteration (and released the gradients)
+        copy = _flag("copy", copy)
         params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
         if self.method.in_flight:  # else the method says that nothing was started
             self._check_writable(params, grads, copy)
@@ -183,6 +218,7 @@ class Averager:
                 copy: bool = False) -> Averaged:
         """:meth:`start` then :meth:`finish`: one iteration's averaging."""
         self._check_open()
+        copy = _flag("copy", copy)
         params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
         self._check_writable(params, grads, copy)  # before the round: nothing communicated
         self.start(params, grads)
@@ -241,18 +277,25 @@ class Averager:
                  copy: bool = False) -> Averaged:
         """Collective, after the last iteration. Model methods: every replica
         becomes the global mean (bitwise identical). Gradient methods: what
-        missed its rounds lands in ``grads``; apply it when ``apply`` is True."""
+        missed its rounds lands in ``grads``; apply it when ``apply`` is True.
+        Everything it reads and writes is checked before any wait (the
+        drain of an iteration in flight included)."""
         self._check_open()
+        copy = _flag("copy", copy)
         params, grads = _listed(params, "params"), _listed(grads, "grads")  # read twice
-        if grads is not None or self.method.averages == MODEL:
-            self._check_writable(params, grads, copy, communicates=True)  # before any wait
+        if self.method.averages == MODEL:
+            # What pack reads (a None, a changed tensor) and, in place, where
+            # the result goes: these were found after the drain had waited.
+            self._work.check(self._whole_model(params), writable=not copy)
+        elif grads is not None:
+            self._check_writable(params, grads, copy, communicates=True)
         self._drain()
         if self.method.averages == MODEL:
-            self._work.pack(self._whole_model(params))
+            self._work.pack(params)
             self.method.finalize(self._work.buffers())
             return self._deliver(None, True, params, grads, copy)
         if grads is None:
-            grads = self._grads.copies()  # only the shapes matter; contents are replaced
+            grads = self._work.copies()  # only the shapes matter; contents are replaced
             copy = True
         leftover = self.method.finalize(self._work.buffers())
         return self._deliver(None, leftover, params, grads, copy, apply=leftover)
@@ -262,12 +305,13 @@ class Averager:
         (``start`` then ``finalize`` or ``close``), discarding its result, as
         DistributedOptimizer does: every rank started it, so every rank drains
         it, and its round is used up, so it counts (the method's sync rounds
-        stay on their iterations). Left in flight, its round was never waited
-        for, the buffers were repacked under it, and the next ``start`` was
-        refused."""
+        stay on their iterations), in the statistics too (they fell behind
+        ``iteration``). Left in flight, its round was never waited for, the
+        buffers were repacked under it, and the next ``start`` was refused."""
         if self.method.in_flight:
-            self.method.finish()
+            info = self.method.finish()
             self.iteration += 1
+            self.stats.record(info)
 
     def _check_open(self) -> None:
         """Refuse work after :meth:`close`, locally: the method's collectives
@@ -278,14 +322,20 @@ class Averager:
 
     def close(self) -> None:
         """Collective: finish an iteration left in flight, then release the
-        method's collectives (idempotent)."""
+        method's collectives and the gradient bucket (idempotent). The
+        model bucket stays for :meth:`model`, and :meth:`statistics` keeps
+        the collectives' telemetry as it was when they were released."""
         if self._closed:
             return
         self._closed = True
         try:
             self._drain()
         finally:
-            self.method.close()
+            try:
+                self._final_statistics = self.method.statistics()
+            finally:
+                self._grads = None
+                self.method.close()
 
     def __enter__(self) -> "Averager":
         return self
@@ -300,5 +350,6 @@ class Averager:
         out = self.stats.as_dict()
         out["method"] = self.method.describe()
         out["buckets"] = self.buckets
-        out["collective"] = self.method.statistics()
+        # After close() the method's collectives are gone ({}): their last telemetry.
+        out["collective"] = self._final_statistics if self._closed else self.method.statistics()
         return out

@@ -139,11 +139,49 @@ class DeviceView:
         self.tensor.copy_(torch_of(src))
 
 
+def _is_empty(obj: Any) -> bool:
+    """Whether a DLPack exporter (or NumPy array) holds no elements."""
+    if not isinstance(obj, np.ndarray) and not hasattr(obj, "__dlpack__"):
+        return False  # the host intake names what it is
+    try:
+        return any(int(s) == 0 for s in obj.shape)
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _empty_view(obj: Any, argument: str) -> np.ndarray:
+    """A stand-in for an empty host tensor: a zero-length array of its dtype.
+    The collectives refuse empty buffers ("nothing to reduce"), so a bucket
+    keeps an empty tensor in its layout (shape and dtype are still checked)
+    but gives it no elements, as DistributedOptimizer leaves parameters
+    with no elements out of its buckets; reading or writing it moves
+    nothing, and the dtype is all it needs."""
+    if isinstance(obj, np.ndarray):
+        row, shown = dtypes.from_array(obj), obj.dtype
+    else:
+        from ..buffers import _parse  # DLPack's own view: NumPy cannot read bfloat16
+
+        view = _parse(obj, argument, stream=-1)
+        try:
+            shown = view.dtype
+        except Exception as exc:  # noqa: BLE001 - a type code NumPy has no dtype for
+            raise BufferError(argument, f"unsupported dtype ({exc}); expected one of "
+                              f"{sorted(dtypes.BY_NAME)}") from exc
+        row = dtypes.from_numpy(shown)
+    if row is None:
+        raise BufferError(argument, f"unsupported dtype {shown}; expected one of "
+                          f"{sorted(dtypes.BY_NAME)}")
+    return np.zeros(0, dtype=row.numpy)
+
+
 def tensor_view(obj: Any, argument: str, *, writable: bool) -> np.ndarray | DeviceView:
-    """:func:`host_view` for host tensors, a :class:`DeviceView` for device ones."""
+    """:func:`host_view` for host tensors, a :class:`DeviceView` for device
+    ones; an empty host tensor is seen as a zero-length array (:func:`_empty_view`)."""
     obj = _exportable(obj)
     if _on_device(obj):
         return DeviceView(obj, argument, writable=writable)
+    if _is_empty(obj):
+        return _empty_view(obj, argument)
     return host_view(obj, argument, writable=writable)
 
 
@@ -158,7 +196,9 @@ class FlatBucket:
     later :meth:`pack`/:meth:`unpack` must pass tensors of the same shapes and
     dtypes (checked locally, naming the parameter). ``flats`` maps a dtype name
     to its buffer; :meth:`buffers` lists them in a fixed order, the order every
-    rank communicates them in.
+    rank communicates them in. Empty tensors keep their place in the layout
+    with no elements (a dtype whose tensors are all empty has no buffer to
+    communicate), as in DistributedOptimizer's buckets.
     """
 
     def __init__(self, tensors: Sequence[Any], names: Sequence[str | None] | None = None,
@@ -229,8 +269,10 @@ class FlatBucket:
             return (view.size,)
 
     def buffers(self) -> list[Any]:
-        """The flat buffers, one per dtype, in the order of first appearance."""
-        return list(self.flats.values())
+        """The flat buffers, one per dtype, in the order of first appearance.
+        A dtype whose tensors are all empty is left out: the collectives
+        refuse an empty buffer, and every rank has the same layout."""
+        return [b for b in self.flats.values() if len(b)]
 
     def views(self) -> list[Any]:
         """One view per tensor into the flat buffers, shaped like the tensor."""
@@ -276,13 +318,34 @@ class FlatBucket:
             else:
                 self._copy_in(self._slot(spec), v)
 
-    def check_writable(self, tensors: Sequence[Any]) -> None:
-        """The checks of :meth:`unpack` (count, layout, writable), copying
-        nothing: a caller runs them before a round whose result it unpacks."""
+    def check(self, tensors: Sequence[Any], *, writable: bool = False) -> None:
+        """The checks of :meth:`pack` (count, layout) or, ``writable``, of
+        :meth:`unpack` (also writable), copying nothing: a caller runs them
+        before a round it packs for or whose result it unpacks."""
         tensors = self._check_count(tensors)
         for spec, t in zip(self.specs, tensors):
             if t is not None:
-                self._view(spec, t, True)
+                self._view(spec, t, writable)
+
+    def check_writable(self, tensors: Sequence[Any]) -> None:
+        """:meth:`check` with ``writable``."""
+        self.check(tensors, writable=True)
+
+    def writable(self, tensors: Sequence[Any]) -> list[Any]:
+        """``tensors`` with None for each that cannot be written in place
+        (read-only: JAX arrays), for an :meth:`unpack` that writes every
+        other one (it validates all before copying, so one read-only tensor
+        stopped every write)."""
+        tensors = self._check_count(tensors)
+        out = []
+        for spec, t in zip(self.specs, tensors):
+            try:
+                if t is not None:
+                    self._view(spec, t, True)
+            except BufferError:
+                t = None
+            out.append(t)
+        return out
 
     def unpack(self, tensors: Sequence[Any]) -> None:
         """Copy the bucket into ``tensors``, in place (they must be writable);
