@@ -5,7 +5,10 @@ readers, a mismatch, a missing root and a missing reader."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ import torch
 from mpi4py import MPI
 
 import wagma_comm
+from wagma_comm.dtypes import FLOAT32
+from wagma_comm.runtime.shared import SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
 from conftest import own_communicator, posted
@@ -163,5 +168,103 @@ def test_a_reader_that_never_comes_times_out_a_later_call_naming_it() -> None:
             with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
                 c.broadcast(arr, timeout=1.0)
             assert list(info.value.ranks) == [late]
+            print("ERR", repr(info.value), flush=True)
             assert info.value.round == DEPTH
             assert "had not yet read this rank's part of round 0" in str(info.value)
+
+
+# -- Reductions through the exchange (tests/mpi/test_shared.py is the main file) --
+
+def test_a_call_failed_at_its_post_never_writes_its_buffer_later() -> None:
+    """Rank 0's blocking call of more pieces than row sets fails inside its
+    post (piece DEPTH waits for piece 0, whose peers are late); rank 0 then
+    reuses its buffer. When the others come and rank 0 closes, the pieces
+    it had published must not be reduced into that buffer (close() finished
+    them, into the caller's memory)."""
+    with own_communicator(30, "a late rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 8  # type: ignore[union-attr]
+        x = np.ones((DEPTH + 2) * per_row)
+        if RANK == 0:
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.allreduce(x, algorithm=SHARED, timeout=0.5)
+            assert info.value.round == 0 and 1 in info.value.ranks
+            x[:] = 7.0  # the caller reuses its buffer
+        else:
+            time.sleep(1.5)
+            try:
+                c.allreduce(x, algorithm=SHARED, timeout=2.0)
+            except wagma_comm.WagmaError:
+                pass  # rank 0 gave up: whatever the others get is not under test
+        WORLD.Barrier()  # the others have published the pieces rank 0 published
+        if RANK == 0:
+            c.close()
+            assert np.all(x == 7.0)
+
+
+def test_a_call_failed_at_its_post_counts_as_failed() -> None:
+    """The root's broadcast DEPTH calls on fails at its post (a reader never
+    comes): statistics() counts it failed, as a call failing after its post
+    is (it was counted neither completed nor failed)."""
+    with own_communicator(30, "a missing reader needs two ranks") as c:
+        if RANK == 0:
+            before = c.statistics()
+            for _ in range(DEPTH):
+                c.broadcast(np.ones(4), timeout=1.0)
+            with pytest.raises(wagma_comm.CollectiveTimeoutError):
+                c.broadcast(np.ones(4), timeout=1.0)
+            after = c.statistics()
+            assert (after["completed"] - before["completed"],
+                    after["failed"] - before["failed"]) == (DEPTH, 1)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (state T in /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"T"
+
+
+def test_a_post_behind_a_piece_reduced_in_shares_names_the_rank_it_waits_for() -> None:
+    """Rank 1 posts a call whose piece is reduced in shares and is stopped
+    (SIGSTOP: alive, not scheduled) before the others post it, so it never
+    reduces its share. The others' calls DEPTH pieces on, with a shorter
+    timeout, fail at their post waiting for that piece: their error must
+    name rank 1 (every part had arrived, so it named no rank at all)."""
+    with own_communicator(30, "a stopped rank needs two ranks") as c:
+        per_row = c._shared.segment.slot_bytes // 4  # type: ignore[union-attr]
+        if not splits(SharedCall("allreduce", tuple(range(SIZE)), per_row, FLOAT32, "sum", ""),
+                      per_row):
+            pytest.skip("rows too small to be reduced in shares here")
+        pids = WORLD.allgather(os.getpid())
+        others = WORLD.Split(0 if RANK != 1 else MPI.UNDEFINED, RANK)  # all but rank 1
+        x = np.ones(per_row, np.float32)
+        if RANK == 1:
+            handle = c.allreduce(x, async_op=True, algorithm=SHARED, timeout=20.0)
+            while c._shared._queue:  # type: ignore[union-attr]
+                time.sleep(1e-3)  # the progress thread publishes it
+            WORLD.send(None, dest=0)  # rank 0 stops this process, then resumes it
+            try:
+                handle.wait()
+            except wagma_comm.WagmaError:
+                pass  # the others' communicators broke: not under test
+            return
+        if RANK == 0:
+            WORLD.recv(source=1)
+            os.kill(pids[1], signal.SIGSTOP)
+            while not _stopped(pids[1]):
+                time.sleep(1e-3)
+        try:
+            others.Barrier()  # rank 1 is stopped
+            c.allreduce(x, async_op=True, algorithm=SHARED, timeout=20.0)
+            for _ in range(DEPTH - 1):
+                c.allreduce(np.ones(2), async_op=True, timeout=20.0)
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                c.allreduce(np.ones(2), timeout=2.0)
+        finally:
+            others.Barrier()
+            if RANK == 0:
+                os.kill(pids[1], signal.SIGCONT)
+            others.Free()
+        assert info.value.round == DEPTH
+        assert 1 in info.value.ranks, str(info.value)  # (a slow other may be named too)
+        c.close(cancel=True)  # the calls rank 1 never joins (the first it may finish)

@@ -293,7 +293,11 @@ class SharedExchange:
                 if lazy and not _copied_at_post(0, call.nbytes):
                     self._queue.append(pending)
                 else:
-                    self._publish(pending, None)
+                    try:
+                        self._publish(pending, None)
+                    except WagmaError as exc:
+                        pending.abandon(exc)  # counted failed, as a call failing later is
+                        raise
                 return pending
             last = len(pieces) - 1
             reserved = [self._reserve(seq, call, data[offset:offset + length], length, deadline,
@@ -303,11 +307,19 @@ class SharedExchange:
             for piece in reserved[:last]:
                 piece.whole = reserved[last]  # one watchdog line for the call
             itemsize = call.dtype.itemsize
-            for i, (pending, (offset, length)) in enumerate(zip(reserved, pieces)):
-                if lazy and not _copied_at_post(i, (offset + length) * itemsize):
-                    self._queue.extend(reserved[i:])
-                    break
-                self._publish(pending, None)
+            try:
+                for i, (pending, (offset, length)) in enumerate(zip(reserved, pieces)):
+                    if lazy and not _copied_at_post(i, (offset + length) * itemsize):
+                        self._queue.extend(reserved[i:])
+                        break
+                    self._publish(pending, None)
+            except WagmaError as exc:
+                # The caller gets the error and may reuse its buffer: the
+                # pieces already published (finished later by a waiter on
+                # their row set, or by close) must never reduce into it.
+                for piece in reserved:
+                    piece.abandon(exc)
+                raise
             return reserved[last]
 
     def _reserve(self, seq: int, call: SharedCall, data: np.ndarray, length: int,
@@ -380,8 +392,7 @@ class SharedExchange:
                     if until is not None and time.monotonic() <= deadline:
                         return False
                     raise CollectiveTimeoutError(
-                        collective, seq, self._missing(
-                            previous.plan.arrive, previous.plan.sources, previous.k + 1, 0),
+                        collective, seq, previous.waiting_for(),
                         f"round {previous.seq} before it on this rank's row set did not "
                         "finish in time (shared-memory exchange)")
                 if not self.wait(previous.plan.done, previous.call.members, previous.k + 1,
@@ -701,6 +712,23 @@ class Pending:
             self.error = error
             self._finish()
             return True
+
+    def waiting_for(self) -> list[int]:
+        """The ranks this unfinished piece (or an earlier piece of its call)
+        still waits for: their part, or (in shares) their reduced share. For
+        an error naming them: every part may have arrived."""
+        exchange = self.exchange
+        words = exchange._words
+        for piece in (*self.earlier, self):
+            if piece.finished:
+                continue
+            plan, want = piece.plan, piece.k + 1
+            missing = exchange._missing(plan.arrive, plan.sources, want, 0)
+            if not missing and isinstance(plan, _SplitPlan):
+                missing = [q for q, word, _, _ in plan.shares if words[word] < want]
+            if missing:
+                return missing
+        return []
 
     def _earlier_finished(self, until: float, wait_turn: bool) -> bool:
         """Finish the call's other pieces (in order) first; their error is
