@@ -486,6 +486,16 @@ class SharedExchange:
         with self._async_lock:
             self._serviced = False
 
+    def release(self) -> None:
+        """At close, every call finished: drop this exchange's views of the
+        segment (and the last calls, whose handles hold callers' buffers),
+        so the segment can be unmapped while the communicator lives on."""
+        self._words = None  # type: ignore[assignment]
+        self._last = [None] * DEPTH
+        self._queue.clear()
+        with self._async_lock:
+            self._async = []
+
     def in_flight(self) -> list["Pending"]:
         """Pieces not finished: published ones, then the queue in order."""
         return ([p for p in self._last if p is not None and not p.finished]
@@ -799,6 +809,9 @@ class Pending:
         self.data = None
         handle = self.handle
         if handle is not None:
+            # Let go of the handle (its result is the caller's buffer): this
+            # piece stays the row set's last call until the next one.
+            self.handle, self.on_done = None, None
             handle._complete(self.value, self.error)
             self.value = None
 

@@ -31,6 +31,7 @@ not made and the algorithm is unavailable.
 from __future__ import annotations
 
 import mmap
+import gc
 import os
 import platform
 
@@ -151,7 +152,14 @@ class Segment:
             try:
                 memory.close()
             except BufferError:
-                pass  # a view is still exported: the mapping goes with it
+                # Views in reference cycles (a call's pieces refer to each
+                # other) go with a collection; one still used elsewhere keeps
+                # the mapping until it goes.
+                gc.collect()
+                try:
+                    memory.close()
+                except BufferError:
+                    pass
 
 
 __all__ = ["Segment", "create_file", "unavailable_reason", "slot_bytes_for", "SLOT_BYTES", "DEPTH",
