@@ -112,3 +112,27 @@ def test_opening_channels_reports_an_mpi_failure_as_a_transport_error(
     finally:
         WORLD.Barrier()
         transport.close()
+
+
+def test_a_segment_rank_0_could_not_create_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full /dev/shm (here: the creation refused with ENOSPC) was reported
+    as "a rank could not map the segment, or was started with WAGMA_SHM=0",
+    hiding rank 0's own error."""
+    from wagma_comm.transport import shm
+
+    if shm.unavailable_reason() is not None:
+        pytest.skip("no shared memory here")
+
+    def full(nonce: str, size: int) -> shm.Segment:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm.Segment, "create", staticmethod(full))
+    transport = mpi_transport.MPITransport(WORLD, timeout=30)
+    try:
+        assert transport.shared_segment is None
+        if RANK == 0:
+            assert "rank 0 could not create the segment" in transport.shared_unavailable
+            assert "No space left on device" in transport.shared_unavailable
+    finally:
+        WORLD.Barrier()
+        transport.close()

@@ -97,6 +97,7 @@ class _SendRequest(MPI.Request):
 
 class MPITransport(Transport):
     name = "mpi"
+    _segment_problem: str | None = None  # this rank's OSError making or mapping the segment
 
     def __init__(self, comm: MPI.Comm, timeout: float = 300.0) -> None:
         # Every rank must arrive within ``timeout``, and every step after the
@@ -204,7 +205,8 @@ class MPITransport(Transport):
             return None
         try:
             return Segment.create(nonce, self.size)
-        except OSError:
+        except OSError as exc:  # said where the segment is refused (a full /dev/shm)
+            self._segment_problem = f"rank 0 could not create the segment ({exc})"
             return None
 
     def _agree_on_host_paths(
@@ -231,8 +233,8 @@ class MPITransport(Transport):
                 and shm.unavailable_reason() is None):
             try:
                 segment = Segment.attach(nonce, self.size)
-            except OSError:
-                pass  # this rank cannot map it, so nobody uses it
+            except OSError as exc:  # this rank cannot map it, so nobody uses it
+                self._segment_problem = f"rank {self.rank} could not map the segment ({exc})"
         flags = np.array([(bell is not None) | (segment is not None) << 1], dtype=np.int64)
         try:
             self._init_wait(comm.Iallreduce(MPI.IN_PLACE, [flags, MPI.INT64_T], MPI.BAND),
@@ -258,7 +260,7 @@ class MPITransport(Transport):
         if segment is None:
             self.shared_unavailable = (
                 "a single rank has nothing to exchange" if self.size < 2
-                else shm.unavailable_reason()
+                else shm.unavailable_reason() or self._segment_problem
                 or ("the ranks are on more than one host" if not one_host else
                     "a rank could not map the segment, or was started with WAGMA_SHM=0"))
         return bell, segment
