@@ -36,7 +36,7 @@ from .runtime.handle import Handle
 from .runtime.inline import Program
 from .runtime.liveness import Liveness, Monitor
 from .runtime.shared import ALGORITHM as SHARED_MEMORY
-from .runtime.shared import SharedCall, SharedExchange, describe
+from .runtime.shared import SharedCall, SharedExchange, describe, max_bytes_override
 from .kernels.host import host_threads
 from .runtime.watch import watchdog_seconds
 from .schedule import algorithms
@@ -205,14 +205,25 @@ class Communicator:
         liveness = (Liveness(transport.rank, transport.identities)
                     if transport.identities else None)
         self._liveness = liveness
-        self._engine = Engine(transport, liveness=liveness)
-        segment = transport.shared_segment
-        # Reductions through shared memory (runtime/shared.py): only
-        # where the transport mapped a segment on every rank.
-        self._shared = (SharedExchange(segment, transport.rank, self._break, self._engine)
-                        if segment is not None else None)
-        self._monitor = (Monitor(liveness, self._engine.in_flight)
-                         if liveness is not None and liveness.checkable else None)
+        try:
+            self._engine = Engine(transport, liveness=liveness)
+        except BaseException:
+            transport.close()  # nobody else would free its MPI communicators
+            raise
+        try:
+            segment = transport.shared_segment
+            # Reductions through shared memory (runtime/shared.py): only
+            # where the transport mapped a segment on every rank.
+            self._shared = (SharedExchange(segment, transport.rank, self._break, self._engine)
+                            if segment is not None else None)
+            self._monitor = (Monitor(liveness, self._engine.in_flight)
+                             if liveness is not None and liveness.checkable else None)
+        except BaseException:
+            # Nothing else would stop the progress thread or free the MPI
+            # communicators (a failed init() left a 'wagma-progress' thread).
+            self._engine.close(cancel=True)
+            transport.close()
+            raise
         self._lock = threading.Lock()  # sequence numbers and submission order
         self._seq = 0
         self._native_groups: set[tuple[int, ...]] = set()
@@ -1153,6 +1164,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     watchdog_seconds()
     check_environment()
     host_threads()
+    max_bytes_override()  # checked after MPI's set-up, and only where a segment was made
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI

@@ -136,3 +136,25 @@ def test_a_segment_rank_0_could_not_create_says_why(monkeypatch: pytest.MonkeyPa
     finally:
         WORLD.Barrier()
         transport.close()
+
+
+def test_a_communicator_that_fails_to_set_up_stops_its_thread_and_transport(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the progress engine started (here: the shared-memory
+    exchange refusing) left the 'wagma-progress' thread running and the MPI
+    communicators and the segment held, with nothing to close them."""
+    import threading
+
+    from wagma_comm import comm as comm_module
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("no exchange")
+
+    monkeypatch.setattr(comm_module, "SharedExchange", refuse)
+    monkeypatch.setenv("WAGMA_SHM", "1")
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="no exchange"):
+        wagma_comm.init(timeout=30)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []
+    WORLD.Barrier()

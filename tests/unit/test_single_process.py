@@ -128,11 +128,14 @@ def test_exit_without_close_stops_the_engine_whatever_WAGMA_EXIT_DRAIN_says(
 
 @pytest.mark.parametrize("name,raw", [("WAGMA_SPIN_US", "abc"), ("WAGMA_SPIN_US", "-5"),
                                       ("WAGMA_LISTEN_SPIN_US", "nan"),
-                                      ("WAGMA_HOST_THREADS", "abc")])
+                                      ("WAGMA_HOST_THREADS", "abc"),
+                                      ("WAGMA_SHM_MAX_BYTES", "1M")])
 def test_a_bad_environment_variable_is_refused_by_init_naming_it(name: str, raw: str) -> None:
     """WAGMA_SPIN_US=abc failed ``import wagma_comm`` with a bare ValueError
     (a negative value was taken); WAGMA_HOST_THREADS=abc passed init() and
-    failed inside the first large reduction, after communication began."""
+    failed inside the first large reduction, after communication began;
+    WAGMA_SHM_MAX_BYTES=1M was checked only where a segment was made, after
+    MPI's set-up (and ignored in a job of one rank)."""
     code = ("import wagma_comm\n"
             "try:\n"
             "    wagma_comm.init()\n"

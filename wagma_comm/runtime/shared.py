@@ -92,20 +92,29 @@ machine: docs/benchmarks.md, "Shared memory for every size"."""
 MAX_BYTES_VARIABLE = "WAGMA_SHM_MAX_BYTES"
 
 
+def max_bytes_override() -> int | None:
+    """WAGMA_SHM_MAX_BYTES as a number of bytes, or None where unset
+    (``init()`` checks it before any MPI call, on every rank)."""
+    override = os.environ.get(MAX_BYTES_VARIABLE, "").strip()
+    if not override:
+        return None
+    try:
+        value = int(override)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(MAX_BYTES_VARIABLE,
+                                   f"expected a number of bytes >= 0, got {override!r}")
+    return value
+
+
 def default_max_bytes(ranks_on_host: int) -> int:
     """The default algorithm's limit for the segment (bytes per rank), from
     what every rank of the host sees alike: its rank and CPU counts, or
     WAGMA_SHM_MAX_BYTES (which must then be set alike on every rank)."""
-    override = os.environ.get(MAX_BYTES_VARIABLE, "").strip()
-    if override:
-        try:
-            value = int(override)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise InvalidArgumentError(MAX_BYTES_VARIABLE,
-                                       f"expected a number of bytes >= 0, got {override!r}")
-        return value
+    override = max_bytes_override()
+    if override is not None:
+        return override
     cores = os.cpu_count() or 1
     return OVERSUBSCRIBED_MAX_BYTES if ranks_on_host > cores else DEFAULT_MAX_BYTES
 
