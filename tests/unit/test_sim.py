@@ -1309,6 +1309,23 @@ def test_sim_and_plan_refuse_bad_model_sizes(argv: list[str], argument: str, cap
     assert capsys.readouterr().out == ""  # refused before anything ran
 
 
+@pytest.mark.parametrize("argv,option", [
+    (["--ranks", "0"], "--ranks"), (["--ranks", "4", "--compute", "-1"], "--compute"),
+    (["--ranks", "4", "--steps", "0"], "--steps"),
+    (["--ranks", "4", "--imbalance", "bogus"], "--imbalance")])
+def test_sim_and_plan_name_the_option_not_the_workload_field(argv: list[str], option: str,
+                                                             capsys) -> None:
+    """`--ranks 0` was blamed on `size`, `--compute -1` on `compute_s`: the
+    simulator's field names, which no option of the command has."""
+    for command in ("sim", "plan"):
+        with pytest.raises(InvalidArgumentError) as e:
+            _cli([command, *argv, "--methods", "allreduce"] if command == "sim"
+                 else [command, *argv])
+        assert e.value.argument == option, command
+        assert not str(e.value).startswith(option.lstrip("-").replace("-", "_") + ":")
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("argv", [["sim", "--ranks", ","], ["sim", "--ranks", ""],
                                   ["plan", "--ranks", "4", "--group-sizes", ","],
                                   ["plan", "--ranks", "4", "--sync-periods", ","]])

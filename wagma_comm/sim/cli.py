@@ -167,10 +167,11 @@ def run_sim(args: argparse.Namespace) -> int:
     _check_outputs(args, plot=True)
     methods = _methods(args.methods, args.algorithm)
     out = []
-    for size in args.ranks:
-        w = Workload(size, _elements(args), args.compute, args.imbalance, args.steps,
-                     min(args.group_size, size), args.sync_every, args.itemsize, args.seed,
-                     args.algorithm)
+    workloads = [_workload(size, _elements(args), args.compute, args.imbalance, args.steps,
+                           min(args.group_size, size), args.sync_every, args.itemsize,
+                           args.seed, args.algorithm)
+                 for size in args.ranks]  # every one checked before any is simulated
+    for size, w in zip(args.ranks, workloads):
         lib = Collectives(size, cost, w.itemsize, w.algorithm)
         results = {m: simulate(m, w, cost, lib) for m in methods}
         print_table(size, w, cost, results)
@@ -254,6 +255,26 @@ def print_cost(model: CostModel) -> None:
         print(f"  {name:>22}: {value}")
 
 
+# The command-line option behind each Workload field, for errors.
+_OPTION_OF = {"size": "--ranks", "elements": "--elements", "compute_s": "--compute",
+              "imbalance": "--imbalance", "steps": "--steps", "group_size": "--group-size",
+              "sync_every": "--sync-every", "itemsize": "--itemsize", "seed": "--seed",
+              "algorithm": "--algorithm"}
+
+
+def _workload(*fields: Any) -> Workload:
+    """A Workload from the command line: its errors name the option
+    (``--ranks``), not the field behind it (``size``)."""
+    try:
+        return Workload(*fields)
+    except InvalidArgumentError as exc:
+        option = _OPTION_OF.get(exc.argument)
+        if option is None:
+            raise
+        raise InvalidArgumentError(
+            option, str(exc).removeprefix(f"{exc.argument}: ")) from None
+
+
 _MEASUREMENT_KEYS = ("ranks", "elements", "compute_s", "injector", "steps", "group_size",
                      "sync_every", "rates")
 
@@ -333,8 +354,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.algorithm == "native":  # checked before minutes of simulation
         raise InvalidArgumentError("algorithm", "wagma plan simulates WAGMA-SGD, whose "
                                    "partial collectives never run native rounds")
-    w = Workload(args.ranks, _elements(args), args.compute, args.imbalance, args.steps,
-                 0, 10, args.itemsize, args.seed, args.algorithm)
+    w = _workload(args.ranks, _elements(args), args.compute, args.imbalance, args.steps,
+                  0, 10, args.itemsize, args.seed, args.algorithm)
     t0 = time.perf_counter()
     candidates, chosen = plan(w, cost, args.group_sizes, args.sync_periods, args.tolerance)
     base = simulate("allreduce", w, cost)
