@@ -95,6 +95,11 @@ class _SendRequest(MPI.Request):
     (same MPI handle, wrapped once when the send is posted)."""
 
 
+class _NativeRequest(MPI.Request):
+    """The request of a native collective, which MPI_Cancel must not be given
+    (erroneous by the standard; MPICH says "unknown type of request")."""
+
+
 class MPITransport(Transport):
     name = "mpi"
     _segment_problem: str | None = None  # this rank's OSError making or mapping the segment
@@ -404,11 +409,11 @@ class MPITransport(Transport):
             raise TransportError(f"MPI cannot reduce {dtype.name} with {op}")
         comm = self._group_comm(ranks)
         mpi_type, mpi_op = getattr(MPI, dtype.mpi_name), _MPI_OPS[op]  # type: ignore[arg-type]
-        return lambda arr: comm.Iallreduce(MPI.IN_PLACE, [arr, mpi_type], mpi_op)
+        return lambda arr: _NativeRequest(comm.Iallreduce(MPI.IN_PLACE, [arr, mpi_type], mpi_op))
 
     def _broadcast_starter(self, root: int, ranks: Sequence[int]) -> Callable[[np.ndarray], Any]:
         comm, local_root = self._group_comm(ranks), list(ranks).index(root)
-        return lambda arr: comm.Ibcast([arr, MPI.BYTE], root=local_root)
+        return lambda arr: _NativeRequest(comm.Ibcast([arr, MPI.BYTE], root=local_root))
 
     # -- progress -------------------------------------------------------------
     raw_errors = (MPI.Exception,)
@@ -477,8 +482,8 @@ class MPITransport(Transport):
         # segfaults cancelling a large (rendezvous) send in flight, as
         # close(cancel=True) did. An abandoned send may still finish in the
         # background; the engine keeps its buffer alive.
-        if isinstance(request, _SendRequest):
-            return
+        if isinstance(request, (_SendRequest, _NativeRequest)):
+            return  # a native collective cannot be cancelled either
         try:
             request.Cancel()
         except MPI.Exception:
