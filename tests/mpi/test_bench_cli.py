@@ -229,6 +229,18 @@ def test_overlap_honours_vs_none(shared_dir: str) -> None:
         assert {r["impl"] for r in _load(path)["overlap"]} == {"wagma"}
 
 
+def test_sizes_below_an_element_are_measured_once(shared_dir: str) -> None:
+    """-b 1 -e 4 -d float32 asked for 1, 2 and 4 bytes, all one element:
+    three identical 4-byte rows were measured and printed."""
+    if SIZE != 2:
+        pytest.skip("rank-count independent: run at 2 ranks")
+    path = os.path.join(shared_dir, "tiny.json")
+    assert _bench(["allreduce", "-b", "1", "-e", "4", "-f", "2", "-d", "float32", "-n", "1",
+                   "-r", "1", "-w", "0", "--vs", "none", "--json", path]) == 0
+    if RANK == 0:
+        assert [r["nbytes"] for r in _load(path)["rows"]] == [4]
+
+
 @pytest.mark.parametrize("flag", ["--csv", "--plot"])
 def test_overlap_refuses_outputs_it_does_not_write(flag: str) -> None:
     from wagma_comm.errors import UnsupportedError

@@ -275,8 +275,12 @@ def sweep(coll: str, ctx: Context, sizes: list[int], progress: Any) -> list[Row]
     # The group actually formed (shifting groups may be smaller than asked).
     members = len(ctx.group) if coll in ("group_allreduce", "wait_avoiding") else ctx.comm.size
     rows = []
-    for nb in sizes:
+    counts = []
+    for nb in sizes:  # sizes below an element round to the same count: measured once
         count = max(1, nb // dtype.itemsize)
+        if count not in counts:
+            counts.append(count)
+    for count in counts:
         mem = Memory(pattern(ctx.comm.rank, count, dtype).copy(), dtype, args.device)
         impls, closers = _impls(coll, ctx, mem)
         row = Row(coll, count * dtype.itemsize, count, dtype.name,
