@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--parts", type=int, default=4, help="parts of average_into (incl. dst)")
     args = ap.parse_args()
+    if args.parts < 2:  # fewer is no average (it silently averaged 2 parts divided by 1)
+        ap.error(f"--parts must be at least 2, got {args.parts}")
     rng = np.random.default_rng(0)
     nbytes = int(args.mib * (1 << 20))
 
@@ -76,7 +78,7 @@ def main() -> None:
     for dt, npdt in ((D.BFLOAT16, ml_dtypes.bfloat16), (D.FLOAT16, np.float16)):
         x0 = rng.standard_normal(n, dtype=np.float32).astype(npdt).view(np.uint16)
         others = [rng.standard_normal(n, dtype=np.float32).astype(npdt).view(np.uint16)
-                  for _ in range(max(args.parts - 1, 1))]
+                  for _ in range(args.parts - 1)]
         x = x0.copy()
         y = others[0]
 
