@@ -280,8 +280,17 @@ class DistributedOptimizer:
         extras = _model_extras(model, self.params) if broadcast else ([], ())
         check_consistent(comm, self.specs)
         self._on_device = agree_at_setup(comm, buckets, device.type, self.method)
-        self._weights = TorchBucket(self.specs, device, self._on_device)
-        self._grads = TorchBucket(self.specs, device, self._on_device)
+        # The weights' bucket also carries the set-up broadcast. A model
+        # method never uses a gradient bucket: a whole copy of the model (for
+        # staged CUDA parameters, another in pinned host memory) was made for
+        # nothing. Both are released at close().
+        self._weights: TorchBucket | None = TorchBucket(self.specs, device, self._on_device)
+        self._grads: TorchBucket | None = (
+            None if self.method.averages == MODEL
+            else TorchBucket(self.specs, device, self._on_device))
+        # How many parameters each group held when wrapped: a group added
+        # since (opt.optimizer.add_param_group) would be stepped, never averaged.
+        self._group_sizes = [len(g["params"]) for g in optimizer.param_groups]
         if broadcast:
             self._broadcast(*extras)
         self.iteration = 0
@@ -294,6 +303,7 @@ class DistributedOptimizer:
         self._synced: AveragingInfo | None = None  # synchronize() ran this iteration
         self._packed_versions: list[tuple[int, int] | None] = []
         self._closed = False
+        self._final_statistics: dict[str, Any] = {}  # the collectives' at close()
         self._overlap = overlap
         self._setup()
         self._hooks: dict[int, Any] = {}
@@ -305,10 +315,12 @@ class DistributedOptimizer:
         ``buffers`` (:func:`_model_extras`: ``model``'s buffers and the
         parameters the optimizer does not hold, a frozen backbone, which
         nothing would ever average)."""
-        self._weights.pack(self.params)
-        for b in self._weights.buffers():
+        weights = self._weights
+        assert weights is not None  # made before the broadcast
+        weights.pack(self.params)
+        for b in weights.buffers():
             self.comm.broadcast(b, root=0)
-        self._weights.unpack(self.params)
+        weights.unpack(self.params)
         if buffers:
             check_consistent(self.comm, specs)
             bucket = TorchBucket(specs, buffers[0].device, self._on_device, argument="buffers")
@@ -317,8 +329,16 @@ class DistributedOptimizer:
                 self.comm.broadcast(b, root=0)
             bucket.unpack(buffers)
 
-    def _setup(self) -> None:
+    @property
+    def _work(self) -> TorchBucket:
+        """The bucket the method averages: the weights' or the gradients'
+        (released at close(), after which every use is refused)."""
         work = self._weights if self.method.averages == MODEL else self._grads
+        assert work is not None, "the buckets are released at close()"
+        return work
+
+    def _setup(self) -> None:
+        work = self._work
         if self.method.averages == MODEL:
             work.pack(self.params)
         self.method.setup(self.comm, work.buffers(), self.iteration)
@@ -329,24 +349,42 @@ class DistributedOptimizer:
         has none yet. A parameter unfrozen after wrapping gets its hook here
         (at the next zero_grad() or step()); until then averaging starts in
         step(), once its gradient exists, since the count of gradients to wait
-        for includes it."""
-        if not self._overlap:
+        for includes it. None after close(): the hook kept the closed wrapper
+        (its method, its buckets) alive from the parameter."""
+        if not self._overlap or self._closed:
             return
         for p in self.params:
             if p.requires_grad and id(p) not in self._hooks:
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
 
+    def _check_groups(self) -> None:
+        """The wrapped optimizer still has the parameter groups it was wrapped
+        with: a group added since (``opt.optimizer.add_param_group``) was
+        stepped with each rank's own gradient, never broadcast nor averaged,
+        and the replicas diverged silently. Local, before any communication."""
+        groups = self.optimizer.param_groups
+        if len(groups) == len(self._group_sizes) and all(
+                len(g["params"]) == n for g, n in zip(groups, self._group_sizes)):
+            return
+        raise InvalidArgumentError(
+            "optimizer", f"its parameter groups changed after wrapping ({len(groups)} groups "
+            f"of {[len(g['params']) for g in groups]} parameters; wrapped with "
+            f"{self._group_sizes}): parameters outside the set-up layout would be stepped "
+            "but never averaged; add groups to the optimizer before wrapping it")
+
     def _start(self) -> None:
         """(under _lock) Begin this iteration: pack what the method averages."""
         t = self.iteration
+        bucket = self._work
         if self.method.averages == MODEL:
-            bucket, tensors = self._weights, list(self.params)
+            tensors = list(self.params)
         else:
-            bucket, tensors = self._grads, [p.grad for p in self.params]
+            tensors = [p.grad for p in self.params]
             # What step() compares to see the gradients changed meanwhile.
             self._packed_versions = [None if g is None else (id(g), g._version)
                                      for g in tensors]
         try:
+            self._check_groups()
             if self.method.communicates(t):
                 bucket.pack(tensors)
             self.method.start(t, bucket.buffers())
@@ -427,15 +465,23 @@ class DistributedOptimizer:
         stepped -- before finalize, close or a restart -- discarding its result:
         every rank started it, so every rank drains it. Its round is used up,
         so it counts as an iteration: the method's rounds (WAGMA's sync
-        rounds among them) stay on the iterations they belong to."""
+        rounds among them) stay on the iterations they belong to. It counts
+        in ``last_info`` and statistics() too, as an iteration averaged by
+        synchronize() and never stepped does (statistics() fell behind
+        ``iteration``)."""
         with self._lock:
             started, self._started = self._started, False
-            self._synced = None
+            synced, self._synced = self._synced, None
             self._ready.clear()
             if started:
                 self.iteration += 1
+        if synced is not None:  # synchronize() finished it
+            self.last_info = synced
+            self.stats.record(synced)
         if self.method.in_flight:  # not when synchronize() or a failed finish ended it
-            self.method.finish()
+            info = self.method.finish()
+            self.last_info = info
+            self.stats.record(info)
 
     def _end_iteration(self) -> None:
         with self._lock:
@@ -459,9 +505,9 @@ class DistributedOptimizer:
                     "backward would be undone); call opt.synchronize() before changing "
                     "gradients, or wrap with overlap=False")
             if info.averaged == MODEL:
-                self._weights.unpack(self.params)
+                self._work.unpack(self.params)
             elif info.averaged is not None:
-                self._grads.unpack_grads(self.params)
+                self._work.unpack_grads(self.params)
         except BaseException:
             # The method holds nothing in flight any more (finish() consumed
             # the round, even when it raised): end the iteration, so a retry
@@ -481,6 +527,7 @@ class DistributedOptimizer:
         ``zero_grad()`` (gradient methods: also at the next gradient)."""
         self._check_open()
         if self._synced is None:
+            self._check_groups()
             self._synced = self._average()
         return self._synced
 
@@ -488,6 +535,7 @@ class DistributedOptimizer:
         """Finish this iteration's averaging, apply it, then the optimizer step.
         ``closure`` (re-computes the loss and gradients) runs first, as in torch."""
         self._check_open()
+        self._check_groups()  # before the closure's backward and the optimizer step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -511,17 +559,21 @@ class DistributedOptimizer:
         the global mean (bitwise identical). Gradient methods: what missed its
         rounds is applied with one more optimizer step (if non-zero)."""
         self._check_open()
+        self._check_groups()  # before the drain waits
         self._drain()
+        work = self._work
         if self.method.averages == MODEL:
-            self._weights.pack(self.params)
-            self.method.finalize(self._weights.buffers())
-            self._weights.unpack(self.params)
-        elif self.method.finalize(self._grads.buffers()):
-            self._grads.unpack_grads(self.params)
+            work.pack(self.params)
+            self.method.finalize(work.buffers())
+            work.unpack(self.params)
+        elif self.method.finalize(work.buffers()):
+            work.unpack_grads(self.params)
             self.optimizer.step()
 
     def close(self) -> None:
-        """Collective: release the method's collectives and the hooks (idempotent)."""
+        """Collective: release the method's collectives, the buckets and the
+        hooks (idempotent). :meth:`statistics` keeps the collectives'
+        telemetry as it was when they were released."""
         with self._lock:
             if self._closed:
                 return
@@ -531,7 +583,11 @@ class DistributedOptimizer:
         try:
             self._drain()
         finally:
-            self.method.close()
+            try:
+                self._final_statistics = self.method.statistics()
+            finally:
+                self._weights = self._grads = None
+                self.method.close()
 
     def __enter__(self) -> "DistributedOptimizer":
         return self
@@ -556,18 +612,27 @@ class DistributedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """What resuming needs besides the model: the wrapped optimizer's state
         and the round counter. Raises if this iteration could not be resumed
-        exactly (partial-collective methods: only after a sync round)."""
+        exactly (partial-collective methods: only after a sync round).
+
+        An iteration averaged by :meth:`synchronize` whose step never came
+        (``GradScaler.step`` skipped it) is over, as the next ``zero_grad()``
+        will count it: the state is of the iteration after it. Saved as of
+        that iteration, a rank whose step was skipped disagreed with the
+        others (a checkpoint no rank could load), and a gradient method
+        refused the checkpoint as "being averaged"."""
         with self._lock:
-            if self._started and self.method.averages != MODEL:
+            unstepped = self._synced is not None
+            if self._started and not unstepped and self.method.averages != MODEL:
                 raise InvalidArgumentError("state_dict", "gradients are being averaged; take "
                                            "checkpoints between step() and the next backward")
+            iteration = self.iteration + unstepped
         # A model average started by zero_grad() only read the weights, which
         # the checkpoint holds: resuming starts that iteration again.
-        err = self.method.checkpoint_error(self.iteration)
+        err = self.method.checkpoint_error(iteration)
         if err:
             raise InvalidArgumentError("state_dict", err)
         return {"format": _STATE_FORMAT, "optimizer": self.optimizer.state_dict(),
-                "iteration": self.iteration, "method": self.method.name,
+                "iteration": iteration, "method": self.method.name,
                 "rank": self.comm.rank, "size": self.comm.size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -592,7 +657,7 @@ class DistributedOptimizer:
         try:
             iteration = self._checked_iteration(state)
             if self.method.averages == MODEL:  # what _setup packs, checked before the restart
-                self._weights._check(self.params)
+                self._work._check(self.params)
             before = self.optimizer.state_dict()
             self.optimizer.load_state_dict(state["optimizer"])
         except Exception as exc:  # noqa: BLE001 - every rank hears of it in _agree_on
@@ -650,10 +715,12 @@ class DistributedOptimizer:
         return "device" if self._on_device else "host"
 
     def statistics(self) -> dict[str, Any]:
+        """Iterations, waiting time, staleness, and the method's collective's
+        own telemetry; after close() (the collectives are gone) as it was then."""
         out = self.stats.as_dict()
         out["method"] = self.method.describe()
         out["buckets"] = self.buckets
-        out["collective"] = self.method.statistics()
+        out["collective"] = self._final_statistics if self._closed else self.method.statistics()
         return out
 
     @property

@@ -53,6 +53,10 @@ class _Gossip(Method):
         self._received: list[list[np.ndarray]] = []
         self._buffers: list[np.ndarray] = []
         self._sources: list[int] = []
+        # A round's sends were posted and never completed (a failed wait, or
+        # a close mid-round): the exchange gave up on them without freeing
+        # their buffers, which MPI may still read, so close() keeps them.
+        self._sends_pending = False
 
     def _setup(self, comm: Any, buffers: list[np.ndarray]) -> None:
         mc = resolve_mpi_comm(comm, self._mpi_comm)
@@ -66,6 +70,7 @@ class _Gossip(Method):
                 len(r) != len(sources) for r in self._received):
             self._received = [[np.empty_like(b) for _ in sources] for b in buffers]
         self._buffers, self._sources = buffers, sources
+        self._sends_pending = True
         self._exchange.start([(b, dests) for b in buffers],
                              [(r, sources) for r in self._received], label=t)
 
@@ -87,11 +92,20 @@ class _Gossip(Method):
         if self._sources:
             assert self._exchange is not None
             self._exchange.wait()
+            self._sends_pending = False
             self._combine()
         return AveragingInfo(t, self.name, MODEL, False, time.perf_counter() - t0)
 
     def close(self) -> None:
+        """Release the exchange, the receive buffers (a model copy per
+        neighbour) and the reference to the caller's buckets: kept, they
+        lived as long as the method (and its wrapper) did. The buckets'
+        buffers stay referenced if a round's sends never completed (the
+        exchange abandoned them; MPI may still read them)."""
         exchange, self._exchange = self._exchange, None
+        self._received = []  # the exchange cancels a receive still posted
+        if not self._sends_pending:
+            self._buffers, self._sources = [], []
         super().close()
         if exchange is not None:
             exchange.close()
