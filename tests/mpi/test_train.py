@@ -868,6 +868,37 @@ def test_the_exchange_refuses_too_many_buffers_and_use_after_close() -> None:
     WORLD.Barrier()
 
 
+def test_an_abandoned_send_keeps_its_buffer_alive() -> None:
+    """A round given up on with its send still pending dropped the send's
+    request, and with it the only reference to a buffer MPI may still read:
+    the caller's array could be freed under MPI."""
+    import gc
+    import weakref
+
+    from wagma_comm.errors import CollectiveTimeoutError
+    from wagma_comm.train.neighbors import NeighborExchange
+
+    if SIZE != 2:
+        pytest.skip("rank-count independent: run at 2 ranks")
+    ex = NeighborExchange(WORLD, 0.3, "dpsgd exchange")
+    if RANK == 0:  # 4 MiB: rendezvous, so the send waits for rank 1's receive
+        buf = np.ones(1 << 20, np.float32)
+        alive = weakref.ref(buf)
+        ex.start([(buf, [1])], [])
+        with pytest.raises(CollectiveTimeoutError):
+            ex.wait()
+        del buf
+        gc.collect()
+        assert alive() is not None, "the pending send's buffer was let go"
+    WORLD.Barrier()
+    if RANK == 1:  # the late receive, so MPI finishes the send
+        late = np.empty(1 << 20, np.float32)
+        ex._comm.Recv([late.view(np.uint8), MPI.BYTE], 0, 0)
+        assert late[0] == 1.0
+    WORLD.Barrier()
+    ex.close()
+
+
 def test_checkpoint_paths_with_other_braces_keep_them(comm: Communicator,
                                                        rank_dir: str) -> None:
     """``{rank}`` was filled in with str.format, so any other brace in the

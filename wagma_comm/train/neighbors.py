@@ -165,10 +165,16 @@ class NeighborExchange:
     def _abandon(self, why: str) -> int:
         """Give up this round: cancel and free the receives not complete (MPI
         would otherwise write into buffers the caller reuses, or crash at
-        exit), leave the sends (cancelling them is deprecated), mark the
-        exchange broken. Returns the round's label."""
+        exit), leave the sends (cancelling them is deprecated) but keep their
+        requests, which hold their buffers, for the life of the process (MPI
+        may still read them; dropped, a buffer could be freed under it), mark
+        the exchange broken. Returns the round's label."""
         from mpi4py import MPI
 
+        from ..transport.mpi import ABANDONED
+
+        ABANDONED.extend((None, req) for req in self._requests[self._receives:]
+                         if req != MPI.REQUEST_NULL)
         for req in self._requests[:self._receives]:
             try:
                 if not req.Test():
