@@ -498,8 +498,10 @@ class SharedExchange:
     def release(self) -> None:
         """At close, every call finished: drop this exchange's views of the
         segment (and the last calls, whose handles hold callers' buffers),
-        so the segment can be unmapped while the communicator lives on."""
-        self._words = None  # type: ignore[assignment]
+        so the segment can be unmapped while the communicator lives on. A
+        thread still on its way out of a call (its error being raised) may
+        read the words: it gets a copy of them, not None."""
+        self._words = memoryview(np.array(self._words))
         self._last = [None] * DEPTH
         self._queue.clear()
         with self._async_lock:
