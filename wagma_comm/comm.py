@@ -1164,7 +1164,7 @@ def init(timeout: float | None = None, *, mpi_comm: Any = None,
     watchdog_seconds()
     check_environment()
     host_threads()
-    max_bytes_override()  # checked after MPI's set-up, and only where a segment was made
+    max_bytes_override()  # (it was checked after MPI's set-up, only where a segment was made)
     if debug is not None and not isinstance(debug, bool):
         raise InvalidArgumentError("debug", f"expected None, True or False, got {debug!r}")
     from mpi4py import MPI

@@ -40,6 +40,7 @@ from ..errors import (
     CommunicatorClosedError,
     InvalidArgumentError,
     MismatchError,
+    RankFailedError,
     WagmaError,
 )
 from ..kernels import host as host_kernels
@@ -767,6 +768,13 @@ class PartialCollective:
         self._running = False
         if err is not None:
             error = err if isinstance(err, WagmaError) else WagmaError(str(err))
+            if isinstance(error, (CollectiveTimeoutError, RankFailedError)):
+                # The engine numbers a flush or close by this collective's
+                # count of them (its Work's seq): "(round 0)" named a round
+                # done long before. Said of the call and the caller's step
+                # count, as a mismatch of final calls and the board say it.
+                error = type(error)(self.kind, call.iteration, error.ranks,
+                                    f"{call.kind}(): {error.detail}")
             if call.kind == "close":
                 self._teardown()
                 call.handle._complete(None, error)
