@@ -1,0 +1,98 @@
+"""Regressions found by the randomised chaos driver (session 46): random but
+rank-agreed sequences of collectives, persistent partial collectives, short
+timeouts and cancelled closes. Each test is the minimised case of one
+finding; size-agnostic like the other MPI tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import wagma_comm
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+@pytest.mark.parametrize("kind", ["solo", "majority", "wait_avoiding"])
+@pytest.mark.parametrize("final", ["close", "flush", "flush_buf"])
+def test_a_final_call_a_peer_never_makes_names_the_call_and_the_step_count(
+        kind: str, final: str) -> None:
+    """Rank 0 steps three times, then calls close(), flush() or flush(buf);
+    the others never do. Its timeout must name what it was (the call) and
+    where (its step count, 3, as a mismatch of final calls and the
+    shared-memory path do) and the ranks that never came. On the message
+    path it said "solo_allreduce (round 0): timed out ... in its arrival
+    check": round 0 was the collective's count of flushes and closes (the
+    engine Work's number), a round done long before, and no word of close()."""
+    if SIZE == 1:
+        pytest.skip("needs a peer that never makes the call")
+    c = wagma_comm.init(timeout=30)
+    try:
+        x = np.zeros(4)
+        if kind == "solo":
+            p = c.solo_allreduce(x, 100, op="sum", timeout=1.0)
+        elif kind == "majority":
+            p = c.majority_allreduce(x, 100, op="sum", timeout=1.0)
+        else:  # a named schedule: the message path, not the shared-memory board
+            p = c.wait_avoiding_group_allreduce(x, SIZE, 100, timeout=1.0,
+                                                algorithm="recursive_doubling")
+        for _ in range(3):
+            p.step(np.ones(4))
+        WORLD.Barrier()
+        if RANK == 0:
+            with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+                if final == "close":
+                    p.close()
+                elif final == "flush":
+                    p.flush()
+                else:
+                    p.flush(np.ones(4))
+            err = info.value
+            call = "close()" if final == "close" else "flush()"
+            assert err.collective == p.kind, str(err)
+            assert err.round == 3, str(err)
+            assert call in str(err), str(err)
+            assert err.ranks == tuple(range(1, SIZE)), str(err)
+            assert str(err).count("ranks:") == 1, str(err)
+        WORLD.Barrier()
+    finally:
+        c.close(cancel=True)
+    WORLD.Barrier()
+
+
+def test_a_cancelled_close_never_lets_a_peers_message_reach_the_next_communicator() -> None:
+    """Rank 0 completes a small broadcast (its eager sends need no receiver);
+    the others close with cancel=True without making that call (a call on
+    another thread that lost the race with close, or an exception leaving
+    ``with init() as comm``). Nothing was in flight on either side, so
+    close() freed the MPI communicators everywhere and MPI gave their
+    context ids to the next communicator: its first broadcast then received
+    rank 0's old message (seen: 111.0 where the root sent 222.0, silently;
+    a MessageSizeError where the sizes differ). A cancelled close cannot know
+    what peers sent it, so it keeps its communicators, as a broken one does."""
+    from conftest import message_path
+
+    if SIZE == 1:
+        pytest.skip("needs a receiver")
+    with message_path():
+        a = wagma_comm.init(timeout=30)
+    if RANK == 0:
+        a.broadcast(np.full(4, 111.0), root=0, algorithm="binomial")
+    WORLD.Barrier()
+    a.close(cancel=True)
+    WORLD.Barrier()
+    with message_path():
+        b = wagma_comm.init(timeout=30)
+    try:
+        x = np.full(4, 222.0) if RANK == 0 else np.zeros(4)
+        b.broadcast(x, root=0, algorithm="binomial")
+        assert np.all(x == 222.0), f"rank {RANK} received {x} from a closed communicator"
+        y = np.full(3, float(RANK + 1))
+        b.allreduce(y, algorithm="recursive_doubling")
+        assert np.all(y == SIZE * (SIZE + 1) / 2), y
+    finally:
+        b.close()
+    WORLD.Barrier()
