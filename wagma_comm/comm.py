@@ -525,7 +525,7 @@ class Communicator:
         # Waits for the latest deadline in flight (a call's timeout= may be
         # longer than the communicator's), not a fixed time.
         stuck = self._engine.close(cancel=cancel)
-        self._release()
+        self._release(cancelled=cancel)
         if stuck:
             raise CommunicatorClosedError(
                 f"close(): the progress thread did not stop by the latest deadline in flight "
@@ -545,14 +545,19 @@ class Communicator:
             time.sleep(1e-3)
         gpu.close(time.monotonic() + 10.0)
 
-    def _release(self) -> None:
+    def _release(self, cancelled: bool = False) -> None:
         """After the engine closed: free the MPI communicators (only once no
         thread can touch them) and stop the liveness monitor."""
         if not self._engine.alive():
             # A call given up on with requests outstanding (a timeout, a
             # cancel), or a broken communicator: peers' messages may still come.
+            # So after close(cancel=True) even with nothing in flight here: a
+            # peer may have finished a call this rank never made (one racing
+            # the close on another thread), its eager sends unreceived, and
+            # a freed context id would hand them to the next communicator.
             abandoned = self._engine.abandoned()
-            late_messages = bool(abandoned) or self._engine.broken is not None
+            late_messages = (bool(abandoned) or self._engine.broken is not None
+                             or cancelled)
             # Views of the shared-memory segment go first, so that closing the
             # transport unmaps it: a closed communicator still referenced kept
             # 8-16 MiB of /dev/shm mapped through its cached calls.
