@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -265,6 +266,16 @@ def test_interrupt_during_an_inline_run_breaks_the_communicator(
         c.close(cancel=True)
 
 
+def _interrupt_next_prepare(real: Any) -> None:
+    """The next Program.prepare raises KeyboardInterrupt (Ctrl-C) once, then
+    ``real`` is back."""
+    def interrupted(self: inline_mod.Program) -> None:
+        inline_mod.Program.prepare = real  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+
+
 def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
     """Ctrl-C while the inline run is still being set up: the engine's driver
     lock is released and, nothing having been sent, the next call works."""
@@ -272,13 +283,9 @@ def test_interrupt_before_anything_is_posted_releases_the_engine() -> None:
     engine = c._engine
     real = inline_mod.Program.prepare
 
-    def interrupted(self: inline_mod.Program) -> None:
-        inline_mod.Program.prepare = real  # type: ignore[method-assign]
-        raise KeyboardInterrupt
-
     try:
         c.barrier()
-        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+        _interrupt_next_prepare(real)
         with pytest.raises(KeyboardInterrupt):
             c.allreduce(np.ones(3, np.float32))  # a new program: prepared in the run
         assert not engine._driver.locked()
@@ -410,10 +417,6 @@ def test_interrupt_setting_up_a_program_that_ran_before_keeps_the_communicator(
     c = wagma_comm.init(timeout=20)
     real = inline_mod.Program.prepare
 
-    def interrupted(self: inline_mod.Program) -> None:
-        inline_mod.Program.prepare = real  # type: ignore[method-assign]
-        raise KeyboardInterrupt
-
     try:
         c.barrier()
         buf = np.full(3, RANK + 1, np.float32)
@@ -423,7 +426,7 @@ def test_interrupt_setting_up_a_program_that_ran_before_keeps_the_communicator(
                      if p.schedule.collective == "allreduce"]
         assert (program.line is not None) == straight
         program.drop_scratch()  # what a hand-over to the engine leaves
-        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+        _interrupt_next_prepare(real)
         sent = c.statistics()["messages_sent"]
         with pytest.raises(KeyboardInterrupt):
             c.allreduce(np.ones(3, np.float32))
@@ -594,13 +597,9 @@ def test_a_call_interrupted_before_it_posted_keeps_no_reference_to_its_buffer(
     c = wagma_comm.init(timeout=20)
     real = inline_mod.Program.prepare
 
-    def interrupted(self: inline_mod.Program) -> None:
-        inline_mod.Program.prepare = real  # type: ignore[method-assign]
-        raise KeyboardInterrupt
-
     try:
         c.barrier()
-        inline_mod.Program.prepare = interrupted  # type: ignore[method-assign]
+        _interrupt_next_prepare(real)
         mine = np.ones(3, np.float32)
         try:
             c.allreduce(mine)  # a new program: prepared in the run
