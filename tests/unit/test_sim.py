@@ -1495,3 +1495,18 @@ def test_native_algorithm_leaves_partial_methods_out_or_refuses_them(capsys) -> 
         _cli(["plan", "--ranks", "4", "--steps", "2", "--algorithm", "native"])
     assert e.value.argument == "algorithm"
     assert capsys.readouterr().out == ""  # both refused before simulating
+
+
+def test_calibrated_intra_node_bandwidth_is_no_faster_than_the_copy_rate() -> None:
+    """A ping-pong whose half round trips were all one scheduler quantum (3
+    ranks on 2 cores) fitted a slope of ~0: a 3.9e13 B/s model in CI. A byte
+    moved between two ranks of a node is copied at least once, so the copy
+    rate bounds it, and the raw measurements say it was capped."""
+    from wagma_comm.sim.calibrate import _within_copy_rate
+
+    raw: dict = {}
+    assert _within_copy_rate(3.9e13, 1 / 2e10, raw, "ping-pong") == pytest.approx(2e10)
+    assert "3.9e+13" in raw["bandwidth_capped"][0]
+    untouched: dict = {}
+    assert _within_copy_rate(7e9, 1 / 2e10, untouched, "fitted") == 7e9
+    assert untouched == {}
