@@ -12,7 +12,6 @@ MPI_Iallreduce + Wait, and wagma_comm's allreduce (default algorithm and
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Callable
@@ -21,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
-from wagma_comm.bench.measure import alternating, run_or_abort
+from wagma_comm.bench.measure import alternating, job_cores, run_or_abort
 
 
 def measure(call: Callable[[], object], iters: int, world: MPI.Comm) -> tuple[float, float]:
@@ -55,6 +54,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in alternating(list(impls), r):
             samples[name].append(measure(impls[name], args.iters, world))
+    cores = job_cores(world)
     rows = []
     for name, values in samples.items():
         wall = statistics.median(v[0] for v in values)
@@ -63,7 +63,6 @@ def main() -> None:
         if world.rank == 0:
             rows.append((name, float(np.mean(walls)), float(np.mean(cpus))))
     if world.rank == 0:
-        cores = len(os.sched_getaffinity(0))
         print(f"# {args.bytes}-byte float32 sum, {world.size} ranks on {cores} cores, "
               f"{args.iters} calls x {args.rounds} rounds (median per rank, mean over ranks)")
         print(f"{'implementation':>24} {'wall us':>9} {'CPU us/rank':>12} "

@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm import dtypes
-from wagma_comm.bench.measure import alternating, run_or_abort
+from wagma_comm.bench.measure import alternating, job_cores, run_or_abort
 from wagma_comm.kernels import host as host_kernels
 from wagma_comm.runtime import inline, straight
 from wagma_comm.transport.base import CHANNEL_DATA
@@ -125,8 +125,9 @@ def main() -> None:
                 impls[name]()
             samples[name].append(((time.perf_counter() - w0) / iters,
                                   (time.process_time() - c0) / iters, _failed[0] / iters))
+    cores = job_cores(WORLD)
     if RANK == 0:
-        print(f"# 8-byte float32 sum, {SIZE} ranks on {len(os.sched_getaffinity(0))} cores, "
+        print(f"# 8-byte float32 sum, {SIZE} ranks on {cores} cores, "
               f"{iters} calls x {rounds} rounds (median per rank, mean over ranks)")
         print(f"{'layer':>16} {'wall us':>9} {'CPU us/rank':>12} {'failed polls':>13} "
               f"{'vs MPI_Allreduce':>17}")

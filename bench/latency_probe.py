@@ -29,7 +29,7 @@ from mpi4py import MPI
 from numba import njit
 
 import wagma_comm
-from wagma_comm.bench.measure import alternating, run_or_abort
+from wagma_comm.bench.measure import alternating, job_cores, run_or_abort
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -126,8 +126,9 @@ def main() -> None:
                 impls[name]()
             samples[name].append(((time.perf_counter() - w0) / iters,
                                   (time.process_time() - c0) / iters))
+    cores = job_cores(WORLD)
     if RANK == 0:
-        print(f"# 8-byte float32 sum, {SIZE} ranks on {len(os.sched_getaffinity(0))} cores, "
+        print(f"# 8-byte float32 sum, {SIZE} ranks on {cores} cores, "
               f"{iters} calls x {rounds} rounds (median per rank, mean over ranks)")
         print(f"{'implementation':>18} {'wall us':>9} {'CPU us/rank':>12} {'failed polls/call':>18}")
     for name, values in samples.items():

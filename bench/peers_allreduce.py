@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm.bench.cli import parse_size
-from wagma_comm.bench.measure import iterations_for, run_or_abort, side_by_side
+from wagma_comm.bench.measure import iterations_for, job_cores, run_or_abort, side_by_side
 from wagma_comm.bench.peers import close_peers, make_peers
 
 
@@ -44,8 +44,9 @@ def main() -> None:
     rank, size = world.Get_rank(), world.Get_size()
     comm = wagma_comm.init(timeout=args.timeout)
     peers = make_peers(args.vs, world, timeout=args.timeout)
+    cores = job_cores(world, timeout=args.timeout)
     if rank == 0:
-        print(f"# {size} ranks on {os.cpu_count()} cores, float32 sum, {args.rounds} "
+        print(f"# {size} ranks on {cores} cores, float32 sum, {args.rounds} "
               f"alternating rounds; load average at start {os.getloadavg()[0]:.2f}")
         print(f"# wagma_comm {wagma_comm.__version__}; "
               + "; ".join(f"{p.name}: {p.version()}" for p in peers))

@@ -25,7 +25,6 @@ measurement, not part of the runtime (bench/results/round-probe-8.txt).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -34,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 import wagma_comm
-from wagma_comm.bench.measure import run_or_abort
+from wagma_comm.bench.measure import job_cores, run_or_abort
 from wagma_comm.imbalance import make_injector
 from wagma_comm.partial import base, wagma
 
@@ -124,6 +123,7 @@ def main() -> None:
     everyone = world.gather(rounds)
     starts_everywhere = world.gather(round_starts)
     rates = world.gather((wall, cpu))
+    cores = job_cores(world)
     if world.rank == 0:
         spans = {
             "step call -> round starts on this rank": ("call", "start"),
@@ -137,7 +137,7 @@ def main() -> None:
                f"of {1e3 * args.compute:g} ms + injector {args.imbalance}, rounds "
                f"this rank started")
         print(f"# wait-avoiding group round, {world.size} ranks on "
-              f"{len(os.sched_getaffinity(0))} cores, group {args.group_size}, "
+              f"{cores} cores, group {args.group_size}, "
               f"{args.activation} activation, {args.elements} float32, {args.steps} "
               f"steps {how} (medians over steps and ranks; a rank that started late "
               f"may see its round start before its call: negative)")

@@ -24,9 +24,11 @@ import os
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm import demo
+from wagma_comm.bench.measure import job_cores
 from wagma_comm.cli import build_parser
 from wagma_comm.train import default_group_size
 from wagma_comm import imbalance as imb
@@ -81,7 +83,7 @@ def main() -> None:
             other_ns = sum(v - before.get(t, 0) for t, v in after.items() if t != main_tid)
             n = args.iterations
             rows[m].append((wall / n, main_ns / 1e9 / n, other_ns / 1e9 / n))
-    cores = os.cpu_count() or 1
+    cores = job_cores(MPI.COMM_WORLD)
     lines = [f"# {P} ranks on {cores} cores, {args.iterations} iterations x {args.repeats} "
              f"repeats per method, injector {args.imbalance}, compute {1e3 * o.compute:g} ms, "
              f"round start {args.round_start}, group size {o.group_size} "

@@ -487,3 +487,21 @@ def test_an_output_rank_0_cannot_write_fails_on_every_rank_before_measuring(
         _bench(["allreduce", "-b", "8", "-e", "8", "-n", "1", "-r", "1", "--vs", "none",
                 flag, os.path.join(blocker, "out.png")])
     assert info.value.argument == flag
+
+
+def test_job_cores_counts_the_cores_of_every_rank_on_the_node() -> None:
+    """Under ``mpiexec -bind-to core`` each rank may run on one core: the
+    probe scripts printed "N ranks on 1 cores" (rank 0's own affinity).
+    Binding each rank here to one core of its own (round robin) must count
+    the union."""
+    from wagma_comm.bench.measure import job_cores
+
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[RANK % len(allowed)]
+    try:
+        os.sched_setaffinity(0, {mine})
+        expected = len(set(WORLD.allgather(mine)))
+        assert job_cores(WORLD, timeout=30) == expected
+        assert expected == min(SIZE, len(allowed))
+    finally:
+        os.sched_setaffinity(0, allowed)

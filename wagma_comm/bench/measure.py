@@ -13,8 +13,10 @@ CollectiveTimeoutError naming the step, not a job that waits forever.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -79,6 +81,22 @@ def allgather_floats(comm: MPI.Comm, values: Any, what: str, round: int = -1,
     wait_bounded(comm.Iallgather(send, recv), f"wagma bench: allgather {what}".rstrip(),
                  round, timeout, keep=(send, recv))
     return recv
+
+
+def job_cores(comm: MPI.Comm, timeout: float | None = None) -> int:
+    """How many cores the ranks on rank 0's node may run on: the union of
+    their CPU affinities (collective). A rank's own affinity is 1 core under
+    ``mpiexec -bind-to core``, and ``os.cpu_count()`` counts cores a cpuset
+    (taskset, a batch allocation) keeps from the job: "8 ranks on 1 cores"
+    and "on 16 cores" for a job given 2 were both printed before."""
+    mine = sorted(os.sched_getaffinity(0))
+    width = int(allgather_floats(comm, [mine[-1] + 1], "CPU ids", timeout=timeout).max())
+    row = np.zeros(width + 1)
+    row[0] = zlib.crc32(MPI.Get_processor_name().encode())  # exact in a float64
+    row[1 + np.array(mine)] = 1.0
+    rows = allgather_floats(comm, row, "CPU affinities", timeout=timeout)
+    on_node = rows[rows[:, 0] == rows[0, 0], 1:]
+    return int(np.count_nonzero(on_node.max(axis=0)))
 
 
 def time_calls(call: Callable[[], object], iters: int, comm: MPI.Comm,
