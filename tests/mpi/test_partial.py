@@ -1120,3 +1120,116 @@ def test_a_late_wagma_step_counts_its_staleness_to_the_round_it_gets(
         w.step(np.ones(2))
     w.flush()
     w.close()
+
+
+def test_a_step_queued_behind_a_round_activated_late_is_not_given_up(
+        comm: Communicator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Majority, rank 0 posts steps 0-2 at once; round 0 runs at once, round
+    1 waits for its activator (rank 1), who arrives half a timeout later and
+    then keeps the round running another 0.75 timeout (its progress thread
+    waits for the collective's lock, held by its application): every round
+    is timely. Rank 0's step 2 queued behind round 1 must not give up on
+    its own: before session 47 its handle's deadline dated from round 0's
+    completion, and test() raised "not finished ... after its deadline"
+    (the engine, which had failed nothing, would have completed it). The
+    handle's grace is cut to 0.2 s so that this shows in 4 s, not 15."""
+    from wagma_comm.runtime import handle as handle_module
+
+    if SIZE != 2:  # 4 s of timing, the same at any rank count
+        pytest.skip("runs at 2 ranks (the late activator and its held lock; 4 s)")
+    seed = next(s for s in range(1000)
+                if [activation.majority_activator(s, t, SIZE) for t in range(3)] == [0, 1, 0])
+    timeout = 3.0
+    m = comm.majority_allreduce(np.zeros(2, np.int64), sync_every=100, seed=seed, op="sum",
+                                timeout=timeout)
+    bufs = [np.full(2, 1 << (3 * RANK + t), np.int64) for t in range(3)]
+    inputs = sum(int(b[0]) for b in bufs)
+    WORLD.Barrier()
+    if RANK == 0:
+        monkeypatch.setattr(handle_module, "_GRACE_S", 0.2)
+        handles = [m.step(b, async_op=True) for b in bufs]
+        until = time.monotonic() + 20
+        while not all(h.done for h in handles):
+            for h in handles:
+                h.test()  # raised the false timeout on step 2's handle
+            assert time.monotonic() < until
+            time.sleep(0.01)
+        infos = [h.wait() for h in handles]
+    else:
+        give_up = time.monotonic() + 20
+        while m.statistics()["completed_round"] < 0:  # round 0 ran here too
+            assert time.monotonic() < give_up
+            time.sleep(0.002)
+        infos = [m.step(bufs[0])]  # late: round 0's result at once
+        time.sleep(0.5 * timeout)
+        with comm._engine._driver:  # the arrival waits until the lock is held
+            late = m.step(bufs[1], async_op=True)
+            m._lock.acquire()
+        try:
+            time.sleep(0.75 * timeout)  # token sent; the round waits for the lock
+        finally:
+            m._lock.release()
+        infos.append(late.wait())
+        infos.append(m.step(bufs[2]))
+    final = np.zeros(2, np.int64)
+    m.flush(final)
+    assert [i.round for i in infos] == [0, 1, 2], infos
+    results = [int(b[0]) for b in bufs]
+    assert all(r == results for r in _gather(results))
+    assert sum(results) + int(final[0]) == sum(_gather(inputs))  # nothing lost or doubled
+    assert m.statistics()["broken"] is None
+    m.close()
+
+
+def test_a_flush_in_flight_when_its_communicator_is_cancelled_names_itself() -> None:
+    """Rank 0's flush() waits for peers that never flush when its
+    communicator is closed with cancel=True. The flush fails at once with
+    CommunicatorClosedError naming the collective and the call; before
+    session 47 it said only "communicator closed while in flight" (the
+    steps queued with it already named theirs)."""
+    if SIZE == 1:
+        pytest.skip("the flush needs a peer that never comes")
+    c = wagma_comm.init(timeout=30)
+    s = c.solo_allreduce(np.zeros(2), sync_every=100, op="sum", timeout=20.0)
+    if RANK == 0:
+        flusher, outcome = _call_on_a_thread(lambda: s.flush(np.ones(2)))
+        flusher.start()
+        until = time.monotonic() + 20
+        while s._final_count < 1 and time.monotonic() < until:
+            time.sleep(0.001)  # the flush's arrival check is in flight
+        start = time.monotonic()
+        c.close(cancel=True)
+        flusher.join(30)
+        assert not flusher.is_alive()
+        error = outcome.get("error")
+        assert isinstance(error, wagma_comm.CommunicatorClosedError), outcome
+        assert ("solo_allreduce (flush()): communicator closed while in flight"
+                in str(error)), error
+        assert outcome["ended"] - start < 10.0
+    WORLD.Barrier()
+    if RANK != 0:
+        c.close(cancel=True)
+    s.close()  # released locally
+    WORLD.Barrier()
+
+
+def test_creation_compiles_the_kernels_its_rounds_use(comm: Communicator) -> None:
+    """The numba kernels a round and its step use (the sum, the average)
+    are compiled when the collective is created: before session 47 the
+    first use compiled them (0.3-0.7 s each without numba's disk cache)
+    inside step() under the collective's lock, or on the progress thread
+    during a round, holding up peers with a short timeout. float16, which
+    nothing else in this module uses, so its kernels are not compiled yet."""
+    from wagma_comm.kernels import host as host_kernels
+
+    kernels = (host_kernels._HALF_KERNELS[host_kernels._F16][0], host_kernels._average_f16)
+    if any(k.signatures for k in kernels):
+        pytest.skip("float16 kernels already compiled in this process: nothing to tell")
+    c = comm.solo_allreduce(np.zeros(4, np.float16), sync_every=2, op="sum")
+    assert all(k.signatures for k in kernels), [k.signatures for k in kernels]
+    g = np.ones(4, np.float16)
+    c.step(g)
+    rest = np.zeros(4, np.float16)
+    c.flush(rest)
+    assert np.all(g + rest == SIZE)
+    c.close()

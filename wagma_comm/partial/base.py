@@ -603,9 +603,13 @@ class PartialCollective:
         with self._lock:
             fresh = self._snapshot(buf[:self.count], r)
             self._started = r
-            pending = self._pending.get(r)
-            if pending is not None:
-                pending.handle._deadline = time.monotonic() + self.timeout
+            # Its step, and every call queued behind it, now waits for this
+            # round, which fails no later than its own deadline: a queued
+            # call's handle dated from the round before, which may have
+            # completed up to a timeout before this one was activated
+            # (majority), and gave up 5 s past that (a false "not finished
+            # ... after its deadline") while this round legitimately ran.
+            self._extend_deadlines(r, time.monotonic() + self.timeout)
         self._count_contribution(fresh)
         self._set_flags(buf, members, fresh)
         if synchronized:
@@ -616,6 +620,17 @@ class PartialCollective:
             r, buf, members, self._ch_data, "round data exchange", [],
             lambda res, err: self._round_done(r, buf, members, step, root, synchronized, err),
             "round", patient)
+
+    def _extend_deadlines(self, first: int, until: float) -> None:
+        """(under _lock) The handles of the steps from round ``first`` on and
+        of a queued flush or close wait at least ``until``: the engine may
+        fail them that late, and a handle's wait gives up on its own shortly
+        past its deadline (runtime/handle.py, ``_stalled``)."""
+        queued = [c for t, c in self._pending.items() if t >= first]
+        if self._final is not None:
+            queued.append(self._final)
+        for call in queued:
+            call.handle._deadline = max(call.handle._deadline, until)
 
     def _check_arrivals(self, r: int) -> None:
         """A synchronous round's arrival check, beside its data exchange rather
@@ -751,9 +766,7 @@ class PartialCollective:
             call = self._pending.pop(r, None)
             # Calls queued behind this round wait for the next one from now
             # (see _check_pending_deadlines), not from when they were made.
-            queued = [*self._pending.values(), *([self._final] if self._final else [])]
-            for later in queued:
-                later.handle._deadline = max(later.handle._deadline, now + self.timeout)
+            self._extend_deadlines(r + 1, now + self.timeout)
             self._store(res, wanted=call is not None)
             if call is not None:
                 res.readers += 1
@@ -777,10 +790,11 @@ class PartialCollective:
                                     f"{call.kind}(): {error.detail}")
             if call.kind == "close":
                 self._teardown()
-                call.handle._complete(None, error)
             else:
                 self._break(error)
-                call.handle._complete(None, error)
+            # The engine's bare "communicator closed while in flight"
+            # (close(cancel=True)) said of this collective and the call.
+            call.handle._complete(None, self._named(error, call))
             return
         if call.kind == "close":
             self._drain_tokens(call)
@@ -968,7 +982,9 @@ class PartialCollective:
 
     def _memory(self) -> Any:
         """Where rounds keep their data, and how they copy, add and average it."""
-        return HostMemory(self.dtype)
+        memory = HostMemory(self.dtype)
+        memory.warm()  # compiled now, outside the lock and before any round
+        return memory
 
     def _new_buffer(self) -> np.ndarray:
         """A round buffer: the data, then one flag per rank."""

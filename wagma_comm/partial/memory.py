@@ -50,6 +50,16 @@ class HostMemory:
         if index is not None:
             flags[index] = one
 
+    def warm(self) -> None:
+        """Run ``add`` and ``average`` once, on one element, at creation. Why:
+        the first use of a numba kernel compiles it (0.3-0.7 s each without
+        numba's disk cache); later that happened inside ``step()`` under the
+        collective's lock, or on the progress thread during a round (the
+        engine's sum is the same kernel), holding up peers that may time out."""
+        one = self.zeros(1)
+        self.add(one, one)
+        self.average(one, [one], 1)
+
     def to_host(self, arr: np.ndarray) -> np.ndarray:
         return arr
 
