@@ -10,6 +10,8 @@ of every message's identity.
 from __future__ import annotations
 
 import atexit
+import math
+import numbers
 import os
 import sys
 import threading
@@ -62,13 +64,22 @@ with the ``WAGMA_TIMEOUT`` environment variable (seconds)."""
 
 
 def check_timeout(timeout: Any, argument: str = "timeout") -> float:
-    """A deadline in seconds: a finite number > 0 (inf or NaN would make a
-    wait endless); a bool or a string is refused, naming ``argument``."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    """A deadline in seconds: a finite real number > 0 (inf or NaN would make
+    a wait endless), NumPy scalars included, as ``Handle.wait`` takes them;
+    a bool or a string is refused, naming ``argument``. Judged as the float
+    it becomes: an int too large for one (OverflowError) or a long double
+    past its range (inf) is refused too."""
+    if type(timeout) is float and 0.0 < timeout < math.inf:
+        return timeout  # the common case, per call: no ABC check
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentError(argument, f"expected seconds as a number, got {timeout!r}")
-    if not timeout > 0 or timeout != timeout or timeout == float("inf"):
+    try:
+        value = float(timeout)
+    except (OverflowError, ValueError):
+        value = math.inf
+    if not (value > 0 and math.isfinite(value)):
         raise InvalidArgumentError(argument, f"must be a finite number > 0, got {timeout!r}")
-    return float(timeout)
+    return value
 
 
 EXIT_DRAIN_S = 10.0

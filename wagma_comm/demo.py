@@ -483,7 +483,7 @@ def run_demo(comm: Any, o: argparse.Namespace, out: Any = sys.stdout) -> dict[st
     spec = o.imbalance or f"reference:{o.compute}:2"
     imb.make_injector(spec, P, 0)  # validate before anything runs
     check_outputs(comm, _outputs(o))
-    device = use_local_gpu() if o.device == "cuda" else torch.device("cpu")
+    device = use_local_gpu(timeout=comm.timeout) if o.device == "cuda" else torch.device("cpu")
     data = load_data(device)
     check_batch(o, len(data.y_train), P)
     talk = rank == 0 and not o.quiet

@@ -33,19 +33,31 @@ def torch_of(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def use_local_gpu(world: Any = None) -> Any:
+def use_local_gpu(world: Any = None, timeout: float | None = None) -> Any:
     """Make this rank's GPU torch's current device and return it: the rank's
     index among the ranks of its node, modulo the node's GPUs (ranks beyond
     the GPU count share them; docs/gpu.md, "Several ranks per GPU").
     Collective over ``world`` (default MPI_COMM_WORLD): a shared-memory split.
+    The split is a blocking MPI call, so a barrier bounded by ``timeout``
+    (seconds; default ``WAGMA_TIMEOUT`` or 300) first proves every rank
+    present: a rank that never calls this makes the others raise
+    CollectiveTimeoutError("use_local_gpu") instead of blocking for ever.
     UnsupportedError("device") where this rank sees no GPU (after the split,
     so that the other ranks are not left waiting in it)."""
+    import time
+
     import torch
     from mpi4py import MPI
 
+    from .comm import check_timeout, default_timeout
     from .errors import UnsupportedError
+    from .transport.mpi import wait_with_deadline
 
+    limit = check_timeout(default_timeout(timeout))  # before any MPI call
     world = MPI.COMM_WORLD if world is None else world
+    wait_with_deadline(world.Ibarrier(), None, time.monotonic() + limit, "use_local_gpu",
+                       detail=f"not every rank called it within {limit:g} s (an MPI "
+                       "request cannot name the missing ranks)", step="barrier")
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         local_rank = local.Get_rank()

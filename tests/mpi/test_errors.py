@@ -974,3 +974,64 @@ def test_debug_accepts_groups_of_different_sizes_choosing_their_own_algorithm() 
             assert np.all(x == sum(r + 1.0 for r in members)), (members, x[:2])
     finally:
         sub.Free()
+
+
+def test_use_local_gpu_times_out_when_a_rank_never_calls_it() -> None:
+    """``use_local_gpu`` splits the world by node with MPI_Comm_split_type,
+    a blocking collective: a rank that never called it (it failed before,
+    or took another branch) left the others blocked in it for ever. A
+    barrier under the timeout now comes first: CollectiveTimeoutError
+    naming use_local_gpu, within the timeout. The absent rank then joins
+    that barrier, so that the abandoned request completes."""
+    if SIZE == 1:
+        pytest.skip("a missing rank needs two ranks")
+    from wagma_comm.torch_views import use_local_gpu
+    from wagma_comm.transport.mpi import ABANDONED
+
+    absent = SIZE - 1
+    dup = WORLD.Dup()
+    try:
+        if RANK != absent:
+            error, took = _outcome_in_thread(lambda: use_local_gpu(dup, timeout=1.0), 30.0,
+                                             "use_local_gpu")
+            assert isinstance(error, wagma_comm.CollectiveTimeoutError), repr(error)
+            assert error.collective == "use_local_gpu" and "within 1 s" in str(error), error
+            assert took < 15.0, took
+        WORLD.Barrier()  # every present rank gave up
+        if RANK == absent:
+            dup.Ibarrier().Wait()  # matches the others' abandoned barrier
+        else:
+            _, request = ABANDONED.pop()  # (uses, request), kept by the timeout
+            request.Wait()
+    finally:
+        dup.Free()
+
+
+def test_a_timeout_of_any_real_number_type_is_taken_or_refused_by_name(
+        comm: Communicator) -> None:
+    """``timeout=np.float32(30)`` (a NumPy scalar, as a config or a
+    computation gives) was refused with "expected seconds as a number",
+    although it is one (``Handle.wait`` takes it). An int too large for a
+    float escaped as a bare OverflowError, and a long double beyond float's
+    range became inf: an endless deadline. All before any communication."""
+    from fractions import Fraction
+
+    for good in (np.float32(30), np.int64(30), np.float64(30.5), Fraction(61, 2)):
+        a = np.full(3, RANK + 1.0)
+        comm.allreduce(a, timeout=good)
+        assert a[0] == SIZE * (SIZE + 1) / 2, good
+        comm.barrier(timeout=good)
+    before = comm.statistics()["completed"]
+    bad_values = [10 ** 400, np.float32("nan"), np.int64(-1), np.float32(0), np.bool_(True),
+                  np.float64("inf")]
+    if np.finfo(np.longdouble).max > np.finfo(np.float64).max:  # 80-bit long double
+        bad_values.append(np.longdouble("1e400"))
+    for bad in bad_values:
+        for call in (lambda: comm.allreduce(np.ones(3), timeout=bad),
+                     lambda: comm.broadcast(np.ones(3), timeout=bad),
+                     lambda: comm.barrier(timeout=bad),
+                     lambda: wagma_comm.init(timeout=bad)):
+            with pytest.raises(wagma_comm.InvalidArgumentError) as info:
+                call()
+            assert info.value.argument == "timeout", (bad, info.value)
+    assert comm.statistics()["completed"] == before  # nothing was communicated

@@ -833,7 +833,7 @@ def _make_peers(setup: _Exchange, world: MPI.Comm, wanted: list[str], device: st
     if usable:
         _check_torch_states([row[2] for row in table], usable)
         if "nccl" in usable:
-            use_local_gpu(world)
+            use_local_gpu(world, timeout)
         backend = "cpu:gloo,cuda:nccl" if len(usable) == 2 else usable[0]
         _TorchSession.acquire(setup, backend, timeout, len(usable))  # one release per peer
     peers: list[Peer] = []
