@@ -190,8 +190,13 @@ def num_steps(size: int, group_size: int) -> int:
 
 
 def group_of(rank: int, size: int, group_size: int, step: int) -> tuple[int, ...]:
-    """The sorted global ranks in ``rank``'s group at ``step``."""
+    """The sorted global ranks in ``rank``'s group at ``step``. A rank outside
+    [0, size) is refused: the digit arithmetic would answer an empty or
+    negative "group" for it."""
     digits = radices(size, group_size)
+    check_step(step)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise InvalidArgumentError("rank", f"must be an int in [0, {size}), got {rank!r}")
     k = step % len(digits)
     place = 1
     for r in digits[:k]:
@@ -203,9 +208,16 @@ def group_of(rank: int, size: int, group_size: int, step: int) -> tuple[int, ...
     )
 
 
-@lru_cache(maxsize=1024)
 def partition(size: int, group_size: int, step: int) -> tuple[tuple[int, ...], ...]:
-    """All groups at ``step``, ordered by their smallest rank."""
+    """All groups at ``step``, ordered by their smallest rank. Checked before
+    the cache (``1.0 == 1`` hashes alike), which is keyed by the step modulo
+    the step count (a training loop's step grows without bound)."""
+    check_step(step)
+    return _partition(size, group_size, step % num_steps(size, group_size))
+
+
+@lru_cache(maxsize=1024)
+def _partition(size: int, group_size: int, step: int) -> tuple[tuple[int, ...], ...]:
     seen: set[int] = set()
     out: list[tuple[int, ...]] = []
     for r in range(size):
@@ -218,11 +230,18 @@ def partition(size: int, group_size: int, step: int) -> tuple[tuple[int, ...], .
 
 def mixing_steps(size: int, group_size: int) -> int | None:
     """The number of consecutive steps (from step 0) after which every rank's
-    model depends on every other rank's; None if it never does (S == 1, P > 1)."""
+    model depends on every other rank's; None if it never does (S == 1, P > 1).
+
+    Exact radices (each >= 2) mix in exactly one step per radix: after k
+    steps a rank has met the ranks that differ from it in digits < k only.
+    Only the other case is simulated, on bitsets of P bits per rank."""
+    digits = radices(size, group_size)  # checks size and group_size
     if size == 1:
         return 0
     if group_size == 1:
         return None
+    if is_exact(size, group_size):
+        return len(digits)
     full = (1 << size) - 1
     reach = [1 << r for r in range(size)]
     limit = 4 * num_steps(size, group_size) + 4

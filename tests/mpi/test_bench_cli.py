@@ -411,6 +411,7 @@ def test_imbalance_gather_returns_every_value_and_times_out_on_a_missing_rank() 
     (["-r", "0"], "-r/--rounds"),  # failed after set-up: StatisticsError
     (["-w", "-1"], "-w/--warmup"),
     (["-f", "1"], "-f/--stepfactor"),  # was raised to 2 silently
+    (["--step", "-1"], "--step"),  # was taken modulo the step count
 ])
 def test_meaningless_counts_are_refused_before_communicating(argv: list[str], flag: str) -> None:
     from wagma_comm.errors import InvalidArgumentError

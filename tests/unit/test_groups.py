@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -201,3 +202,49 @@ def test_large_composite_sizes_factor_quickly() -> None:
         "      G.radices(2_095_133_040, 46_340), G.radices(G.MAX_SIZE, 4)[-1] <= 4)\n")
     assert out == ("(500000000, 4) (0, 500000000, 1000000000, 1500000000) "
                    "(46189, 45360) True")
+
+
+@pytest.mark.parametrize("call,argument", [
+    (lambda: G.group_of(8, 8, 2, 0), "rank"),  # was (), an empty group
+    (lambda: G.group_of(-1, 8, 2, 0), "rank"),  # was (-2, -1)
+    (lambda: G.group_of(True, 8, 2, 0), "rank"),
+    (lambda: G.group_of("0", 8, 2, 0), "rank"),  # bare TypeError
+    (lambda: G.group_of(0, 8, 2, 1.0), "step"),  # bare TypeError
+    (lambda: G.group_of(0, 8, 2, -1), "step"),  # answered as step K-1
+    (lambda: G.partition(8, 2, -1), "step"),
+    (lambda: G.partition(8, 2, 3.0), "step"),  # bare TypeError
+    (lambda: G.partition(8.0, 2, 0), "size"),
+    (lambda: G.mixing_steps(0, 1), "size"),  # was None, "never mixes"
+    (lambda: G.mixing_steps(8.0, 2), "size"),  # bare TypeError
+    (lambda: G.mixing_steps(1, 5), "group_size"),  # was 0
+])
+def test_group_functions_refuse_bad_input_naming_the_argument(call: Callable[[], object],
+                                                              argument: str) -> None:
+    """``comm.group_of`` checked its arguments, ``groups.group_of`` (what the
+    CLI, the bench and the partial collectives call) did not."""
+    with pytest.raises(InvalidArgumentError) as info:
+        call()
+    assert info.value.argument == argument
+
+
+def test_partition_cache_does_not_answer_a_float_step() -> None:
+    """``partition`` was cached untyped: ``1.0 == 1`` hashes alike, so a float
+    step got step 1's partition when that was cached and a bare TypeError
+    when it was not."""
+    G.partition(8, 2, 1)
+    with pytest.raises(InvalidArgumentError) as info:
+        G.partition(8, 2, 1.0)
+    assert info.value.argument == "step"
+    assert G.partition(8, 2, 1 + 3 * G.num_steps(8, 2)) == G.partition(8, 2, 1)
+
+
+def test_mixing_steps_of_a_huge_exact_job_needs_no_bitsets() -> None:
+    """P = S**K mixes in exactly K steps; mixing_steps simulated bitsets of P
+    bits per rank anyway, P**2/8 bytes: 128 GiB for 2**20 ranks (here under a
+    1 GiB address-space cap in a child, a MemoryError)."""
+    out = _in_child(
+        "import resource\n"
+        "from wagma_comm import groups as G\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "print(G.mixing_steps(2**20, 2), G.mixing_steps(2**30, 32), G.mixing_steps(3**12, 9))\n")
+    assert out == "20 6 6"

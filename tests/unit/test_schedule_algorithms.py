@@ -492,3 +492,63 @@ def test_mistyped_arguments_are_rejected_even_after_a_cached_compile(
     with pytest.raises(InvalidArgumentError) as info:
         call()
     assert info.value.argument == argument
+
+
+@pytest.mark.parametrize("ranks", [(0.0, 1.0), (False, True), [0, 1]],
+                         ids=["float", "bool", "list"])
+def test_a_group_of_non_int_ranks_is_refused_whatever_was_compiled_before(
+        ranks: object) -> None:
+    """``(0.0, 1.0) == (False, True) == (0, 1)``, hashing alike, and a typed
+    cache types the arguments, not a tuple's members: once ``(0, 1)`` was
+    compiled such a group got its schedule back unchecked, and the member
+    check (cached per group the same way) let a miss build sends to
+    ``peer=0.0``, cached for the next well-typed call. A list raised a bare
+    ``TypeError: unhashable type``."""
+    count = 7919  # compiled by no other test
+    for name in ("recursive_doubling", "ring"):
+        alg.compile_allreduce(0, (0, 1), count, "sum", name)  # the int twin, cached
+        for rank in (0, 1):
+            with pytest.raises(InvalidArgumentError) as info:
+                alg.compile_allreduce(rank, ranks, count, "sum", name)  # type: ignore[arg-type]
+            assert info.value.argument == "ranks"
+        good = alg.compile_allreduce(1, (0, 1), count, "sum", name)
+        assert all(type(op.peer) is int for op in good.ops if isinstance(op, (Send, Recv)))
+    alg.compile_broadcast(0, (0, 1), count, 0, "binomial")
+    alg.compile_barrier(0, (0, 1))
+    alg.compile_exchange(0, (0, 1), count)
+    for call in (lambda: alg.compile_broadcast(0, ranks, count, 0, "binomial"),
+                 lambda: alg.compile_barrier(0, ranks),
+                 lambda: alg.compile_exchange(0, ranks, count)):
+        with pytest.raises(InvalidArgumentError) as info:
+            call()  # type: ignore[arg-type]
+        assert info.value.argument == "ranks"
+
+
+@pytest.mark.parametrize("neighbours", [(1.0,), (True,), [1]], ids=["float", "bool", "list"])
+def test_non_int_neighbours_are_refused_whatever_was_compiled_before(
+        neighbours: object) -> None:
+    """As for ``ranks``: ``(1.0,)`` got ``(1,)``'s cached schedule, or on a
+    miss a schedule sending to ``peer=1.0``."""
+    alg.compile_neighbor_average(0, (0, 1, 2), 5, (1,))
+    with pytest.raises(InvalidArgumentError) as info:
+        alg.compile_neighbor_average(0, (0, 1, 2), 5, neighbours)  # type: ignore[arg-type]
+    assert info.value.argument == "neighbours"
+    with pytest.raises(InvalidArgumentError) as info:
+        alg.compile_neighbor_average(0, (0, 1, 2), 6, neighbours)  # type: ignore[arg-type]
+    assert info.value.argument == "neighbours"
+
+
+@pytest.mark.parametrize("call,argument", [
+    (lambda: alg.compile_group("allreduce", (0, 1), "8", "sum"), "count"),
+    (lambda: alg.compile_group("broadcast", (0, 1), None, "", 0), "count"),
+    (lambda: alg.compile_group("allreduce", 4, 8, "sum"), "ranks"),
+    (lambda: alg.compile_allreduce(0, (0, 1), 8, "sum", ["ring"]), "algorithm"),
+])
+def test_compile_group_bad_arguments_are_typed_errors(call: Callable[[], object],
+                                                      argument: str) -> None:
+    """The default algorithm was chosen from ``4 * count`` before the count
+    was checked (``"8" * 4 < 65536``: a bare TypeError), a non-iterable group
+    failed in ``tuple()``, and an unhashable algorithm in the compile cache."""
+    with pytest.raises(InvalidArgumentError) as info:
+        call()
+    assert info.value.argument == argument

@@ -206,3 +206,34 @@ def test_cli_refuses_a_group_too_large_to_print(capsys) -> None:
     assert "--group-size" in capsys.readouterr().err
     assert schedule_cli.main(["schedule", "--ranks", str(2**31)]) == 2
     assert "--ranks" in capsys.readouterr().err
+
+
+def test_cli_limit_is_on_the_group_shown_not_on_group_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """P=10000, S=5000 has radices (5000, 2): at step 1 rank 0's group is
+    {0, 5000}, yet it was refused as "a group of 5000 ranks"."""
+    status, out, err = run_cli(capsys, "--ranks", "10000", "--group-size", "5000", "--step",
+                               "1", "--count", "1", "--json")
+    assert status == 0 and "verified" in err
+    assert {s.rank for s in from_json(out)} == {0, 5000}
+    status, out, err = run_cli(capsys, "--ranks", "10000", "--group-size", "5000",
+                               "--count", "1")  # step 0: 5000 ranks, still refused
+    assert status == 2 and out == "" and "--group-size" in err and "5000 ranks" in err
+
+
+def test_from_json_refuses_ops_whose_index_is_not_their_position() -> None:
+    """Deps name ops by position, and the dump writes each op's index: an op
+    line deleted or moved by hand shifted every later op under its deps
+    silently (the document said ``"index": 1`` at position 0)."""
+    text = to_json(alg.compile_group("allreduce", (0, 1, 2), 5, "avg", algorithm="ring"))
+    doc = json.loads(text)
+    del doc["schedules"][0]["ops"][0]
+    with pytest.raises(ScheduleError, match=r"schedule 0, op 0: .*index 1"):
+        from_json(json.dumps(doc))
+    doc = json.loads(text)
+    ops = doc["schedules"][1]["ops"]
+    ops[2], ops[3] = ops[3], ops[2]
+    with pytest.raises(ScheduleError, match=r"schedule 1, op 2: .*index 3"):
+        from_json(json.dumps(doc))
+    assert from_json(text) == alg.compile_group("allreduce", (0, 1, 2), 5, "avg",
+                                                algorithm="ring")

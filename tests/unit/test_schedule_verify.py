@@ -362,3 +362,19 @@ def test_mistyped_fields_are_rejected_with_schedule_error(
     g = compiled("allreduce", 2, 6, algorithm, "avg")
     with pytest.raises(ScheduleError, match=match):
         verify(tuple(change(s) for s in g))
+
+
+def test_a_reduce_the_kernels_cannot_run_is_rejected_even_when_dead() -> None:
+    """A Reduce's op is one of sum/max/min/prod ("avg" is lowered to sum +
+    Scale; the host kernels know nothing else): a dead ``Reduce(op="avg")``
+    verified, and the run then failed inside the collective."""
+    g = compiled("allreduce", 2, 6, "recursive_doubling", "sum")
+
+    def add_dead_avg(s: Schedule) -> Schedule:
+        tmp = Slot("tmp0", 0, 6)  # written by the receive, read by the reduce
+        last = len(s.ops) - 1
+        return dataclasses.replace(s, ops=s.ops + (Reduce(tmp, Slot(DATA, 0, 6), "avg"),),
+                                   deps=s.deps + ((last,),))
+
+    with pytest.raises(ScheduleError, match="reduction 'avg'"):
+        verify(edit(g, 0, add_dead_avg))

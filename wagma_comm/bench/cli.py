@@ -377,6 +377,7 @@ def run(args: argparse.Namespace) -> int:
     _check_device(args.device, args.collective)
     _check_overlap_options(args)
     _check_counts(args)
+    groups.check_step(args.step, "--step")  # group_of refuses -1 naming `step`
     world = MPI.COMM_WORLD
     dtype = dtypes.lookup(args.dtype, "--dtype")
     dtypes.check_op(args.op, "--op")

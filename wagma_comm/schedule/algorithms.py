@@ -18,8 +18,8 @@ once per process. ``verify.py`` proves each of them.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Callable
+from functools import lru_cache, wraps
+from typing import Any, Callable, TypeVar
 
 from ..dtypes import OPS
 from ..errors import InvalidArgumentError
@@ -45,7 +45,47 @@ _CACHE_SIZE = 1024
 """Compiled schedules kept per process. The caches are typed: untyped, a
 call with ``count=1.0`` or ``root=True`` equals (and hashes as) one with
 ``1`` and would get that call's schedule back without being validated, so a
-bad argument would raise or not depending on what was compiled before."""
+bad argument would raise or not depending on what was compiled before.
+``typed`` types the arguments only, not a tuple's members, and
+``(0.0, 1.0) == (False, True) == (0, 1)``: see :func:`_group_cache`."""
+
+_F = TypeVar("_F", bound=Callable[..., Schedule])
+
+
+_INT_TYPE = frozenset((int,))
+
+
+def _plain_ints(values: tuple[Any, ...]) -> bool:
+    """Every member is an ``int`` itself (not a bool, float or numpy scalar,
+    which compare and hash like one). The set of types is built in C: about
+    13 ns a member, where a generator took 21."""
+    return set(map(type, values)) <= _INT_TYPE
+
+
+def _group_cache(compile_fn: _F) -> _F:
+    """The typed LRU cache in front of a compiler ``f(rank, ranks, ...)``.
+
+    A hit is answered only for a group of plain ints: at once when it is the
+    very tuple the schedule was compiled from (``Schedule.ranks``; callers
+    reuse their group tuple), else after checking its members. Any other
+    group is compiled uncached, so it is validated and refused whatever was
+    compiled before (a miss validates too: see ``_check_group``)."""
+    cached = lru_cache(maxsize=_CACHE_SIZE, typed=True)(compile_fn)
+
+    @wraps(compile_fn)
+    def compile_cached(rank: Any, ranks: Any, *args: Any) -> Schedule:
+        if type(ranks) is tuple:
+            try:
+                sched = cached(rank, ranks, *args)
+            except TypeError:  # an unhashable argument: validation names it
+                return compile_fn(rank, ranks, *args)
+            if sched.ranks is ranks or _plain_ints(ranks):
+                return sched
+        return compile_fn(rank, ranks, *args)
+
+    compile_cached.cache_info = cached.cache_info  # type: ignore[attr-defined]
+    compile_cached.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return compile_cached  # type: ignore[return-value]
 
 
 # -- choosing ------------------------------------------------------------------
@@ -69,7 +109,14 @@ def _check_group(rank: int, ranks: tuple[int, ...], count: int) -> int:
     """Validate the group and return ``rank``'s position in it."""
     if not isinstance(ranks, tuple) or not ranks:
         raise InvalidArgumentError("ranks", f"expected a non-empty tuple, got {ranks!r}")
-    index = _valid_group(ranks)
+    try:
+        checked, index = _valid_group(ranks)
+    except TypeError:  # an unhashable member
+        checked, index = (), None
+    # _valid_group's cache, like the compile caches, equates (0.0, 1.0) with
+    # the (0, 1) it checked; the tuple it checked is all ints.
+    if checked is not ranks and not _plain_ints(ranks):
+        raise InvalidArgumentError("ranks", f"expected ints >= 0, got {ranks!r}")
     if index is None:
         raise InvalidArgumentError("ranks", f"contains duplicates: {ranks!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank not in index:
@@ -80,12 +127,13 @@ def _check_group(rank: int, ranks: tuple[int, ...], count: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _valid_group(ranks: tuple[int, ...]) -> dict[int, int] | None:
-    """The members' positions (None on a duplicate); type-checked once per
-    group, since every member's schedule is compiled against the same tuple."""
-    if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+def _valid_group(ranks: tuple[int, ...]) -> tuple[tuple[int, ...], dict[int, int] | None]:
+    """The group as checked and the members' positions (None on a
+    duplicate); type-checked once per group, since every member's schedule
+    is compiled against the same tuple."""
+    if not _plain_ints(ranks) or any(r < 0 for r in ranks):
         raise InvalidArgumentError("ranks", f"expected ints >= 0, got {ranks!r}")
-    return group_index(ranks)
+    return ranks, group_index(ranks)
 
 
 def _check_algorithm(algorithm: str, known: tuple[str, ...]) -> None:
@@ -260,7 +308,7 @@ _ALLREDUCE: dict[str, Callable[[_Group, str], None]] = {
 }
 
 
-@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
+@_group_cache  # typed: see _CACHE_SIZE
 def compile_allreduce(rank: int, ranks: tuple[int, ...], count: int, op: str,
                       algorithm: str) -> Schedule:
     """``rank``'s schedule of an in-place allreduce over the group ``ranks``."""
@@ -341,7 +389,7 @@ _BROADCAST: dict[str, Callable[[_Group, int], None]] = {
 }
 
 
-@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
+@_group_cache  # typed: see _CACHE_SIZE
 def compile_broadcast(rank: int, ranks: tuple[int, ...], count: int, root: int,
                       algorithm: str) -> Schedule:
     """``rank``'s schedule of broadcasting global rank ``root``'s data."""
@@ -356,7 +404,7 @@ def compile_broadcast(rank: int, ranks: tuple[int, ...], count: int, root: int,
 
 
 # -- barrier -------------------------------------------------------------------
-@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
+@_group_cache  # typed: see _CACHE_SIZE
 def compile_barrier(rank: int, ranks: tuple[int, ...]) -> Schedule:
     """Dissemination barrier: in round k send a zero-byte message to position
     +2^k and receive from -2^k; each send waits for every earlier receive, so
@@ -377,7 +425,7 @@ def compile_barrier(rank: int, ranks: tuple[int, ...]) -> Schedule:
 EXCHANGE_SCRATCH = "peers"
 
 
-@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
+@_group_cache  # typed: see _CACHE_SIZE
 def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
     """Every member sends its ``count`` elements to every other, each received
     into scratch ``"peers"`` at ``position * count``. Not bandwidth-optimal, but
@@ -393,15 +441,29 @@ def compile_exchange(rank: int, ranks: tuple[int, ...], count: int) -> Schedule:
     return b.build()
 
 
-@lru_cache(maxsize=_CACHE_SIZE, typed=True)  # typed: see _CACHE_SIZE
 def compile_neighbor_average(rank: int, ranks: tuple[int, ...], count: int,
                              neighbours: tuple[int, ...]) -> Schedule:
     """Gossip averaging (D-PSGD): send the buffer to every rank in
     ``neighbours``, receive theirs into scratch ``"peers"``, and average the
     ``1 + len(neighbours)`` models in place. Every rank must list the ranks it
-    exchanges with (symmetric neighbourhoods, e.g. ring neighbours)."""
+    exchanges with (symmetric neighbourhoods, e.g. ring neighbours).
+    ``neighbours`` is checked before the cache, as ``ranks`` is by it."""
+    _check_neighbours(neighbours)
+    return _neighbor_average(rank, ranks, count, neighbours)
+
+
+def _check_neighbours(neighbours: tuple[int, ...]) -> None:
+    if type(neighbours) is not tuple or not _plain_ints(neighbours):
+        raise InvalidArgumentError(
+            "neighbours", f"expected a tuple of int ranks, got {neighbours!r}")
+
+
+@_group_cache  # typed: see _CACHE_SIZE
+def _neighbor_average(rank: int, ranks: tuple[int, ...], count: int,
+                      neighbours: tuple[int, ...]) -> Schedule:
     _check_group(rank, ranks, count)
-    nbrs = tuple(neighbours)
+    _check_neighbours(neighbours)
+    nbrs = neighbours
     if len(set(nbrs)) != len(nbrs) or any(r == rank or r not in ranks for r in nbrs):
         raise InvalidArgumentError(
             "neighbours", f"expected distinct members of the group other than {rank}, "
@@ -421,13 +483,23 @@ def compile_neighbor_average(rank: int, ranks: tuple[int, ...], count: int,
     return b.build()
 
 
+compile_neighbor_average.__wrapped__ = _neighbor_average.__wrapped__  # type: ignore[attr-defined]
+
+
 # -- whole groups --------------------------------------------------------------
 def compile_group(collective: str, ranks: tuple[int, ...] | list[int], count: int = 0,
                   op: str = "", root: int = -1,
                   algorithm: str | None = None) -> tuple[Schedule, ...]:
     """Every member's schedule (group order), e.g. to verify them together.
     ``algorithm=None`` takes the size-based default assuming 4-byte elements."""
-    group = tuple(ranks)
+    try:
+        group = tuple(ranks)
+    except TypeError:
+        raise InvalidArgumentError("ranks", f"expected a sequence of ranks, got {ranks!r}") \
+            from None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        # before the default algorithm is chosen from 4 * count
+        raise InvalidArgumentError("count", f"expected an int >= 0, got {count!r}")
     if collective == "allreduce":
         name = algorithm or choose_allreduce(4 * count, len(group))
         return tuple(compile_allreduce(r, group, count, op, name) for r in group)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from ..dtypes import OPS
 from ..errors import InvalidArgumentError, ScheduleError
-from ..groups import check_group_size, check_size, check_step, group_of
+from ..groups import check_group_size, check_size, check_step, group_of, radices
 from .algorithms import (
     ALLREDUCE_ALGORITHMS,
     BARRIER_ALGORITHMS,
@@ -69,10 +69,14 @@ def _group(args: argparse.Namespace) -> tuple[int, ...]:
     check_step(args.step, "--step")
     group_size = size if args.group_size is None else args.group_size
     check_group_size(size, group_size, "--group-size")
-    if group_size > MAX_PRINTED_GROUP:  # each member's schedule is compiled and verified
+    # The group shown may be far smaller than S (P=10000, S=5000: radices
+    # 5000, 2): bound its width, a digit's radix, before building it.
+    digits = radices(size, group_size)
+    width = digits[args.step % len(digits)]
+    if width > MAX_PRINTED_GROUP:  # each member's schedule is compiled and verified
         raise InvalidArgumentError(
-            "--group-size", f"a group of {group_size} ranks is too many to print and verify "
-            f"(at most {MAX_PRINTED_GROUP}); pass a smaller --group-size")
+            "--group-size", f"a group of {width} ranks (at step {args.step}) is too many to "
+            f"print and verify (at most {MAX_PRINTED_GROUP}); pass a smaller --group-size")
     return group_of(rank, size, group_size, args.step)
 
 

@@ -126,6 +126,9 @@ def from_json(text: str) -> tuple[Schedule, ...]:
             ops, deps = [], []
             for i, o in enumerate(s["ops"]):
                 where = f"{FORMAT} document, schedule {k}, op {i}"
+                if o.get("index", i) != i:  # deps name ops by position
+                    raise ScheduleError(f"{where}: the op at this position says index "
+                                        f"{o['index']!r} (an op moved or deleted?)")
                 ops.append(_op_from_dict(o))
                 deps.append(tuple(o["deps"]))
             where = f"{FORMAT} document, schedule {k}"

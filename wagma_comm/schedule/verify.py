@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 from ..dtypes import OPS
 from ..errors import ScheduleError
 from .algorithms import compile_group
-from .build import MAX_MSG, HazardTracker, check_native, check_op_slots
+from .build import MAX_MSG, REDUCE_OPS, HazardTracker, check_native, check_op_slots
 from .export import op_label
 from .ir import DATA, moved, Copy, Native, Op, Recv, Reduce, Scale, Schedule, Send, Slot
 
@@ -186,8 +186,9 @@ def _check_fields(op: Op, s: Schedule, where: str) -> None:
             raise ScheduleError(f"{where}: peer {op.peer!r} is not another member of {s.ranks}")
         if not _is_int(op.msg) or op.msg >= MAX_MSG:
             raise ScheduleError(f"{where}: msg {op.msg!r} is no int in [0, {MAX_MSG})")
-    elif isinstance(op, Reduce) and op.op not in OPS:
-        raise ScheduleError(f"{where}: unknown reduction {op.op!r}")
+    elif isinstance(op, Reduce) and op.op not in REDUCE_OPS:  # "avg" is lowered
+        raise ScheduleError(f"{where}: unknown reduction {op.op!r}; a Reduce computes one "
+                            f"of {REDUCE_OPS}")
     elif isinstance(op, Scale) and not _is_int(op.divisor, 1):
         raise ScheduleError(f"{where}: divisor {op.divisor!r} is no int >= 1")
     elif isinstance(op, Native):
