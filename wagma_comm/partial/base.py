@@ -196,6 +196,9 @@ class PartialCollective:
         self._engine = comm._engine
         self._transport = comm._transport
         self.rank, self.size = comm.rank, comm.size
+        # One tuple for every round: the schedule caches answer the tuple
+        # they compiled from at once, and check the members of a new one.
+        self._everyone = tuple(range(self.size))
         self.sync_every = sync_every
         self.timeout = comm._call_timeout(timeout)
         self.count, self.dtype = buffer.count, buffer.dtype
@@ -546,7 +549,7 @@ class PartialCollective:
             if r not in self._sync_arrived:
                 return False
             self._sync_arrived.discard(r)
-            self._start_round(r, tuple(range(self.size)), None, None, synchronized=True)
+            self._start_round(r, self._everyone, None, None, synchronized=True)
             return True
         if self._is_activated(r):
             step = activation.group_step(self.first_round + r, self.sync_every)
@@ -655,7 +658,7 @@ class PartialCollective:
         """A flush or close: synchronous, outside the iteration count."""
         k = self._final_count
         self._final_count += 1
-        everyone = tuple(range(self.size))
+        everyone = self._everyone
         if call.kind == "close" or (call.data is None and not self._flush_needs_data()):
             what = CLOSE if call.kind == "close" else FLUSH
             stages = [self._arrival_stage(self._ch_fctl, k, call.iteration, what)]
@@ -724,7 +727,7 @@ class PartialCollective:
         FLUSH_ROUND, CLOSE): who is missing is then exactly who this rank is
         still waiting for, and at a flush or close a rank that counted or
         called differently is named."""
-        everyone = tuple(range(self.size))
+        everyone = self._everyone
         sched = algorithms.compile_exchange(self.rank, everyone, 2)
         mine = np.array([value, final or 0], dtype=np.int64)
         peers = np.zeros(2 * self.size, dtype=np.int64)
@@ -865,11 +868,11 @@ class PartialCollective:
     # -- activation tokens ------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
         """Who takes part in (non-sync) round ``r`` with this rank."""
-        return tuple(range(self.size))
+        return self._everyone
 
     def _token_scope(self, r: int) -> tuple[int, ...]:
         """Who the activation of round ``r`` is broadcast to."""
-        return tuple(range(self.size))
+        return self._everyone
 
     def _listen(self) -> None:
         if self.size == 1:
