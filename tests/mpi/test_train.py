@@ -353,7 +353,7 @@ def test_device_buckets_follow_the_host_buckets_trajectory(comm: Communicator, m
         model, opt = _fresh(comm, method, dict(knobs, buckets=buckets), 5)
         assert opt.buckets == buckets
         assert all(isinstance(b, torch.Tensor) == (buckets == "device")
-                   for b in opt._weights.buffers())
+                   for b in opt._work.buffers())
         runs.append(_trajectory(comm, method, knobs, range(8), model, opt))
         opt.finalize()
         runs[-1].append(_flat(model))
@@ -1272,6 +1272,33 @@ def test_a_checkpoint_one_rank_cannot_write_is_refused_on_every_rank(
         os.rmdir(path.replace("{rank}", "0"))
     save_checkpoint(path, model, opt)  # the communicator is still in step
     assert load_checkpoint(path, model, opt) == {}
+    opt.close()
+
+
+def test_an_extra_the_loader_cannot_read_is_refused_before_any_file_is_replaced(
+        comm: Communicator, rank_dir: str) -> None:
+    """``extra`` holding a NumPy value (a loss as ``np.float64``) on one rank:
+    torch.save wrote it, replacing that rank's last good checkpoint, and
+    load_checkpoint (``weights_only=True``) then refused the file on every
+    rank as "not a readable checkpoint": the run could not resume at all.
+    Now every rank raises InvalidArgumentError naming ``extra``, and the
+    checkpoint saved before is kept and loads."""
+    model, opt = _fresh(comm, "local_sgd", {"sync_every": 2}, 0)
+    _trajectory(comm, "local_sgd", {}, range(2), model, opt)
+    path = os.path.join(rank_dir, "ckpt-{rank}.pt")
+    save_checkpoint(path, model, opt, extra={"loss": 1.0})
+    saved = _flat(model)
+    _trajectory(comm, "local_sgd", {}, range(2, 4), model, opt)
+    loss = np.float64(2.0) if RANK == LAST else 2.0
+    with pytest.raises(InvalidArgumentError) as err:
+        save_checkpoint(path, model, opt, extra={"loss": loss})
+    assert err.value.argument == "extra"
+    assert ("numpy" if RANK == LAST else f"rank [{LAST}]") in str(err.value)
+    assert load_checkpoint(path, model, opt) == {"loss": 1.0}  # the last good one
+    assert np.array_equal(_flat(model), saved) and opt.iteration == 2
+    with pytest.raises(InvalidArgumentError, match="expected a dict") as err:
+        save_checkpoint(path, model, opt, extra=[("loss", 1.0)])  # type: ignore[arg-type]
+    assert err.value.argument == "extra"
     opt.close()
 
 

@@ -10,8 +10,11 @@ them a path without ``{rank}`` is allowed and only rank 0 writes it.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import re
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -48,12 +51,21 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: DistributedOpt
     Collective: a rank that cannot write its file (no directory, a full
     disk) raises InvalidArgumentError naming ``path``, and so does every
     other rank, naming it (their own files are written). A file is replaced
-    whole or not at all, and no ``.tmp`` file is left behind."""
+    whole or not at all, and no ``.tmp`` file is left behind. An ``extra``
+    that :func:`load_checkpoint` could not read back (NumPy values) raises
+    InvalidArgumentError naming ``extra`` on every rank, before any file is
+    replaced."""
     file = checkpoint_path(path, optimizer)
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "extra": dict(extra or {})}
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    writes = "{rank}" in os.fspath(path) or optimizer.comm.rank == 0
     error: BaseException | None = None
-    if "{rank}" in os.fspath(path) or optimizer.comm.rank == 0:
+    try:
+        state["extra"] = _checked_extra(extra) if writes else {}
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it below
+        error = exc
+    # Before the file is replaced: the last good checkpoint stays.
+    agree_on_failure(optimizer.comm, error, "extra", "save 'extra'")
+    if writes:
         tmp = f"{file}.tmp"
         try:
             torch.save(state, tmp)
@@ -65,6 +77,33 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: DistributedOpt
     # Also what the barrier was for: a shared file exists before anyone reads it.
     agree_on_failure(optimizer.comm, error, "path", f"write the checkpoint {file!r}")
     return file
+
+
+def _checked_extra(extra: Any) -> dict[str, Any]:
+    """``extra`` as saved, if :func:`load_checkpoint` can read it back: it
+    loads with ``torch.load(weights_only=True)``, which refuses NumPy arrays
+    and scalars (``np.float64`` losses, ``np.random.get_state()``). Saved
+    unchecked, such a checkpoint replaced the last good one and could never
+    be loaded ("not a readable checkpoint"). Only ``extra`` is round-tripped
+    (in memory): it is small, the model and optimizer states are tensors."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise InvalidArgumentError("extra", f"expected a dict, got {type(extra).__name__}")
+    out = dict(extra)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling raises anything
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = found.group(1) if found else type(exc).__name__
+        raise InvalidArgumentError(
+            "extra", f"load_checkpoint could not read it back (torch.load(weights_only=True) "
+            f"refuses {what}): save plain Python values and tensors (float(x), "
+            "torch.from_numpy(a))") from exc
+    return out
 
 
 def _read(file: str) -> dict[str, Any]:

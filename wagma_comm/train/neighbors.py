@@ -188,12 +188,20 @@ class NeighborExchange:
 
     def close(self) -> None:
         """Collective: free the duplicated communicator (a round posted and
-        never waited for is abandoned first)."""
+        never waited for is abandoned first). After an abandoned round it is
+        kept, unfreed, as the transport keeps a broken communicator's: a
+        peer's messages of that round may still be in flight, and MPI would
+        give the freed context to a later communicator, whose receives would
+        match them (a later D-PSGD round mixed in 388.75 where 0.5 was due)."""
+        from ..transport.mpi import _KEPT
+
         if self._requests:
             self._abandon("closed")
+        abandoned = self._broken is not None
         self._broken = "closed"  # start() says so (it failed on the freed communicator)
         if self._comm is not None:
-            try:
-                self._comm.Free()
-            finally:
-                self._comm = None
+            comm, self._comm = self._comm, None
+            if abandoned:
+                _KEPT.append(comm)  # never freed: its context is never reused
+            else:
+                comm.Free()

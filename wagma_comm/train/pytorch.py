@@ -28,6 +28,7 @@ kernels; otherwise they are staged through pinned host memory.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any, Callable, Sequence
 
@@ -280,19 +281,25 @@ class DistributedOptimizer:
         extras = _model_extras(model, self.params) if broadcast else ([], ())
         check_consistent(comm, self.specs)
         self._on_device = agree_at_setup(comm, buckets, device.type, self.method)
-        # The weights' bucket also carries the set-up broadcast. A model
-        # method never uses a gradient bucket: a whole copy of the model (for
-        # staged CUDA parameters, another in pinned host memory) was made for
-        # nothing. Both are released at close().
-        self._weights: TorchBucket | None = TorchBucket(self.specs, device, self._on_device)
+        # Each bucket only where it is used: a model method never uses a
+        # gradient bucket, a gradient method uses the weights' bucket only
+        # for the set-up broadcast (kept, it held a whole copy of the model,
+        # for staged CUDA parameters another in pinned host memory, for
+        # nothing). What is kept is released at close().
+        model_method = self.method.averages == MODEL
+        self._weights: TorchBucket | None = (
+            TorchBucket(self.specs, device, self._on_device)
+            if model_method or broadcast else None)
         self._grads: TorchBucket | None = (
-            None if self.method.averages == MODEL
-            else TorchBucket(self.specs, device, self._on_device))
-        # How many parameters each group held when wrapped: a group added
-        # since (opt.optimizer.add_param_group) would be stepped, never averaged.
-        self._group_sizes = [len(g["params"]) for g in optimizer.param_groups]
+            None if model_method else TorchBucket(self.specs, device, self._on_device))
+        # The parameters each group held when wrapped: a group added since
+        # (opt.optimizer.add_param_group) or a parameter replaced by another
+        # tensor would be stepped, never averaged.
+        self._group_params = [list(g["params"]) for g in optimizer.param_groups]
         if broadcast:
             self._broadcast(*extras)
+        if not model_method:
+            self._weights = None
         self.iteration = 0
         self.last_info: AveragingInfo | None = None
         self.stats = WaitStats()
@@ -359,18 +366,35 @@ class DistributedOptimizer:
 
     def _check_groups(self) -> None:
         """The wrapped optimizer still has the parameter groups it was wrapped
-        with: a group added since (``opt.optimizer.add_param_group``) was
-        stepped with each rank's own gradient, never broadcast nor averaged,
-        and the replicas diverged silently. Local, before any communication."""
+        with: a group added since (``opt.optimizer.add_param_group``), or a
+        parameter replaced in a group by another tensor, was stepped with
+        each rank's own gradient, never broadcast nor averaged (the buckets
+        kept averaging the old tensor), and the replicas diverged silently.
+        Local (an identity check per parameter), before any communication."""
         groups = self.optimizer.param_groups
-        if len(groups) == len(self._group_sizes) and all(
-                len(g["params"]) == n for g, n in zip(groups, self._group_sizes)):
+        wrapped = self._group_params
+        if len(groups) == len(wrapped) and all(  # every iteration: C-level identity checks
+                len(g["params"]) == len(w) and all(map(operator.is_, g["params"], w))
+                for g, w in zip(groups, wrapped)):
             return
-        raise InvalidArgumentError(
-            "optimizer", f"its parameter groups changed after wrapping ({len(groups)} groups "
-            f"of {[len(g['params']) for g in groups]} parameters; wrapped with "
-            f"{self._group_sizes}): parameters outside the set-up layout would be stepped "
-            "but never averaged; add groups to the optimizer before wrapping it")
+        if len(groups) != len(wrapped) or any(
+                len(g["params"]) != len(w) for g, w in zip(groups, wrapped)):
+            raise InvalidArgumentError(
+                "optimizer", f"its parameter groups changed after wrapping ({len(groups)} "
+                f"groups of {[len(g['params']) for g in groups]} parameters; wrapped with "
+                f"{[len(w) for w in wrapped]}): parameters outside the set-up layout would "
+                "be stepped but never averaged; add groups to the optimizer before "
+                "wrapping it")
+        for k, (g, w) in enumerate(zip(groups, wrapped)):
+            for j, (p, q) in enumerate(zip(g["params"], w)):
+                if p is not q:
+                    i = next(n for n, x in enumerate(self.params) if x is q)
+                    raise InvalidArgumentError(
+                        "optimizer", f"param_groups[{k}]['params'][{j}] was "
+                        f"{self.specs[i].label()} when wrapped and is now another tensor: "
+                        "it would be stepped but never averaged (the buckets hold the old "
+                        "one); change a parameter's data in place, or wrap the optimizer "
+                        "again")
 
     def _start(self) -> None:
         """(under _lock) Begin this iteration: pack what the method averages."""
@@ -533,11 +557,17 @@ class DistributedOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finish this iteration's averaging, apply it, then the optimizer step.
-        ``closure`` (re-computes the loss and gradients) runs first, as in torch."""
+        ``closure`` (re-computes the loss and gradients) runs first, as in torch,
+        and its gradients are the ones averaged: an iteration already averaged
+        by :meth:`synchronize` (or whose optimizer step raised) ends first, as
+        at ``zero_grad()``. For a gradient method, a closure after a backward
+        whose gradients are being averaged (``overlap``) is refused before it
+        runs (InvalidArgumentError naming ``closure``)."""
         self._check_open()
         self._check_groups()  # before the closure's backward and the optimizer step
         loss = None
         if closure is not None:
+            self._closure_begins()
             with torch.enable_grad():
                 loss = closure()
         if self._synced is None:
@@ -552,6 +582,25 @@ class DistributedOptimizer:
         self.last_info = info
         self.stats.record(info)
         return loss
+
+    def _closure_begins(self) -> None:
+        """A closure recomputes this iteration's gradients. A gradient method
+        whose hooks already took this iteration's gradients (a backward before
+        ``step(closure)``) cannot average them again: refused before the
+        closure runs (its backward was refused from inside as a "second
+        gradient", naming ``overlap``). An iteration :meth:`synchronize`
+        averaged ends here, as at ``zero_grad()``: with ``overlap=False``
+        and a closure that does not call ``opt.zero_grad()``, step() applied
+        the closure's own gradients, unaveraged, and the replicas diverged."""
+        with self._lock:
+            if self._synced is None and self.method.averages != MODEL and (
+                    self._started or self._ready):
+                raise InvalidArgumentError(
+                    "closure", "a backward of this iteration already started averaging "
+                    "its gradients; the closure's backward would not be averaged: call "
+                    "step() without a closure, or do not call backward() before "
+                    "step(closure)")
+            self._end_unstepped()
 
     # -- end ----------------------------------------------------------------------------
     def finalize(self) -> None:

@@ -42,7 +42,7 @@ def _steps(comm, method, buckets, steps, **knobs):
                                comm, method, model=model, buckets=buckets, **knobs)
     where = opt.buckets
     if where == "device":
-        assert all(b.is_cuda for b in opt._weights.buffers()) and not opt._weights._host
+        assert all(b.is_cuda for b in opt._work.buffers()) and not opt._work._host
     g = torch.Generator().manual_seed(RANK)
     out = []
     for _ in range(steps):

@@ -39,8 +39,13 @@ def make_method(name: str | Method, **knobs: Any) -> Method:
     """A method by name, with the knobs (:data:`KNOBS`) that apply to it (the
     others are ignored, so one set of options can drive every method). A
     :class:`Method` instance is returned as is, and takes no knobs (it was
-    built with its own). Knob errors, a misspelt name included, are raised
-    here as InvalidArgumentError naming the knob, before any communication."""
+    built with its own), unless it is set up and not closed: it holds one
+    optimizer's collectives and round count, and a second set-up replaced
+    them under the first (whose collectives were never closed, and whose
+    rounds then ran on the other's, so a stale member could contribute the
+    other model). Knob errors, a misspelt name included, are raised here as
+    InvalidArgumentError naming the knob (``method`` for a live instance),
+    before any communication."""
     unknown = sorted(set(knobs) - set(KNOBS))
     if unknown:
         raise InvalidArgumentError(unknown[0], f"not a knob of any method; the knobs are "
@@ -50,6 +55,11 @@ def make_method(name: str | Method, **knobs: Any) -> Method:
             raise InvalidArgumentError(sorted(knobs)[0], f"a {type(name).__name__} instance "
                                        "was built with its own knobs; pass them to its "
                                        "constructor, or give the method by name")
+        if name._live:
+            raise InvalidArgumentError(
+                "method", f"this {type(name).__name__} instance is already set up (by a "
+                "DistributedOptimizer or Averager not closed yet); it holds that one's "
+                "collectives and rounds: build one instance per optimizer")
         return name
     k = {**KNOBS, **knobs}
     if name == "allreduce":
