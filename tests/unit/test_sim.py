@@ -14,6 +14,7 @@ import heapq
 import json
 import math
 from collections import deque
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -942,7 +943,7 @@ def zero_cost_reference(method: str, w: Workload):
     depends on, tokens are instant."""
     P, inj = w.size, make_injector(w.imbalance, w.size, w.seed)
     end, busy, waited = np.zeros(P), np.zeros(P), np.zeros(P)
-    starts, arrivals, fresh = [], [], 0
+    starts, ends, arrivals, fresh = [], [], [], 0
 
     def group_max(x: np.ndarray, parts) -> np.ndarray:
         out = np.empty(P)
@@ -978,6 +979,7 @@ def zero_cost_reference(method: str, w: Workload):
                 s = np.maximum(act, busy)
                 e = group_max(s, parts) if method.startswith("wagma") else np.full(P, s.max())
             starts.append(s)
+            ends.append(e)
             fresh += int(np.sum(a <= s))
             busy = e
             e = np.maximum(a, e)
@@ -989,6 +991,8 @@ def zero_cost_reference(method: str, w: Workload):
         for i in range(P):
             for t in range(w.steps):
                 k = sum(1 for u in range(t, w.steps) if starts[u][i] < arrivals[t][i])
+                if k and method.startswith("wagma"):  # the newest round completed, or its own
+                    k = max(1, sum(1 for u in range(t, w.steps) if ends[u][i] < arrivals[t][i]))
                 hist[k] = hist.get(k, 0) + 1
     return end.max(), waited / w.steps, (fresh / (P * w.steps) if method in PARTIAL else None), \
         dict(sorted(hist.items()))
@@ -1510,3 +1514,128 @@ def test_calibrated_intra_node_bandwidth_is_no_faster_than_the_copy_rate() -> No
     untouched: dict = {}
     assert _within_copy_rate(7e9, 1 / 2e10, untouched, "fitted") == 7e9
     assert untouched == {}
+
+
+def test_late_wagma_step_counts_staleness_to_the_newest_completed_round() -> None:
+    """partial/wagma.py (session 45): a late WAGMA step gets the newest round
+    completed on its rank, staleness ``round - iteration + 1``, not the rounds
+    merely started (a newer one may still be running). Solo and majority get
+    their own round and keep counting started rounds.
+
+    By hand: two ranks, one group, every round costs 0.1 s (the call overhead),
+    rank 1 is 0.25 s slow. Rank 0 arrives at 0.01 + k * 0.11 and runs round k
+    in [0.01 + 0.11k, 0.11 + 0.11k]. Rank 1 arrives for step 0 at 0.26, when
+    rounds 0 and 1 have completed and round 2 runs: WAGMA staleness 2 (the
+    simulator said 3 before session 47), solo 3. Its step 0 returns at once
+    (round 0 is done); step 1 arrives at 0.52, rounds 1 and 2 done (2); step 2
+    at 0.78, round 2 done (1)."""
+    cost = CostModel(0.0, 0.0, float("inf"), float("inf"), 0.0, 0.0, 0.0, 0.1, 1)
+    w = Workload(2, 16, 0.01, imbalance="slownode:0.25:1:1", steps=3, group_size=2,
+                 sync_every=100)
+    for m in ("wagma", "wagma_group_scope"):
+        r = simulate(m, w, cost)
+        assert r.staleness_histogram == {0: 3, 1: 1, 2: 2}, m
+    assert simulate("solo", w, cost).staleness_histogram == {0: 3, 1: 1, 2: 1, 3: 1}
+
+
+@pytest.mark.parametrize("content", ["[]", "5", '"gpu-cluster"', '{"cost_model": [1, 2]}',
+                                     '{"cost_model": null}'])
+def test_cost_file_that_is_not_an_object_is_refused_naming_cost(tmp_path, content: str,
+                                                                 capsys) -> None:
+    """Valid JSON that is not an object of fields was an AttributeError ('list'
+    object has no attribute 'get') or a TypeError, a traceback from
+    `wagma sim --cost FILE`/`wagma plan --cost FILE`."""
+    path = tmp_path / "cost.json"
+    path.write_text(content)
+    with pytest.raises(InvalidArgumentError) as e:
+        CostModel.load(str(path))
+    assert e.value.argument == "cost"
+    for command in (["sim", "--methods", "allreduce"], ["plan"]):
+        with pytest.raises(InvalidArgumentError) as e:
+            _cli([*command, "--ranks", "4", "--steps", "2", "--cost", str(path)])
+        assert e.value.argument == "cost"
+    assert capsys.readouterr().out == ""
+
+
+def test_first_round_moves_the_partial_rounds_not_the_injector() -> None:
+    """``Workload.first_round``: a partial collective's round t is round
+    first_round + t (majority activator, sync rounds), as the runtime's
+    ``first_round`` and a collective kept across `wagma imbalance`'s runs;
+    the injector stays at step t. By hand, under the zero cost model."""
+    P, comp, D = 8, 0.01, 0.5
+    root = activation.majority_activator(0, 0, P)
+    other = next(r for r in range(1, 50) if activation.majority_activator(0, r, P) != root)
+    w = Workload(P, 100, comp, imbalance=f"slownode:{D}:1:{root}", steps=1, sync_every=50)
+    waits = np.array(simulate("majority", w, ZERO).wait_per_iteration_s)
+    assert np.delete(waits, root) == pytest.approx([D] * (P - 1))  # waits for its activator
+    shifted = simulate("majority", replace(w, first_round=other), ZERO)
+    assert shifted.wait_per_iteration_s == [0.0] * P  # another activator: nobody waits
+    assert shifted.fresh_share == pytest.approx((P - 1) / P)
+    # rounds 2 and 3 with sync_every 4: step 1 is a sync round, so the fast ranks
+    # wait there for the slow one's two delays (none without the shift)
+    w = Workload(P, 100, comp, imbalance=f"slownode:{D}:1:0", steps=2, sync_every=4)
+    for m in ("solo", "wagma"):
+        assert np.all(np.array(simulate(m, w, ZERO).wait_per_iteration_s) == 0.0), m
+        r = simulate(m, replace(w, first_round=2), ZERO)
+        assert np.array(r.wait_per_iteration_s)[1:] == pytest.approx([D] * (P - 1)), m
+        assert r.makespan_s == pytest.approx(2 * (comp + D)), m
+    with pytest.raises(InvalidArgumentError) as e:
+        Workload(P, 100, comp, first_round=-1)
+    assert e.value.argument == "first_round"
+
+
+def test_validate_simulates_the_rounds_the_timed_runs_used(tmp_path, capsys) -> None:
+    """`wagma imbalance` keeps each partial collective through its warm-up and
+    its timed runs, so timed run k starts at round k * steps (other majority
+    activators, group steps) while the injector replays steps 0..steps-1; its
+    rate is steps over the median run. --validate simulated every method from
+    round 0."""
+    m = {"ranks": 8, "compute_s": 0.01, "injector": "reference:0.01:2", "sync_every": 5,
+         "group_size": 1, "grace": 0.0, "elements": 64, "seed": 0, "steps": 10,
+         "rounds": 3, "rates": {"majority": 50.0, "allreduce": 50.0}}
+    path, out = tmp_path / "m.json", tmp_path / "v.json"
+    path.write_text(json.dumps(m))
+    assert _cli(["sim", "--validate", str(path), "--cost", "zero", "--json", str(out)]) == 0
+    rows = {r["method"]: r["simulated"] for r in json.loads(out.read_text())["rows"]}
+    w = Workload(8, 64, 0.01, "reference:0.01:2", steps=10, group_size=1, sync_every=5)
+    spans = [simulate("majority", replace(w, first_round=10 * k), ZERO).makespan_s
+             for k in (1, 2, 3)]
+    assert rows["majority"] == pytest.approx(10 / sorted(spans)[1], rel=TIGHT)
+    assert rows["majority"] != pytest.approx(simulate("majority", w, ZERO).iterations_per_s)
+    assert rows["allreduce"] == simulate("allreduce", w, ZERO).iterations_per_s
+    capsys.readouterr()
+
+
+def test_plan_simulates_a_repeated_candidate_once(capsys) -> None:
+    """`wagma plan --group-sizes 4,4 --sync-periods 10,10` simulated the same
+    candidate four times and printed four rows marked recommended."""
+    from wagma_comm.sim.plan import plan
+
+    w = Workload(8, 1000, 0.01, "reference:0.01:2", steps=20)
+    candidates, chosen = plan(w, GPU_CLUSTER, [4, 2, 4], [10, 5, 10])
+    assert [(c.group_size, c.sync_every) for c in candidates] == [(4, 10), (4, 5), (2, 10),
+                                                                   (2, 5)]
+    assert _cli(["plan", "--ranks", "8", "--steps", "20", "--model-mb", "0.01",
+                 "--group-sizes", "4,4", "--sync-periods", "10,10"]) == 0
+    assert capsys.readouterr().out.count("<- recommended") == 1
+
+
+def test_scale_plot_title_gives_each_jobs_group(tmp_path) -> None:
+    """The title showed the first run's group for every job size: `--ranks
+    4,64 --group-size 8` caps the group at 4 for 4 ranks only, and
+    `--group-size 0` (half the ranks) was titled "group 0"."""
+    pytest.importorskip("matplotlib")
+    from wagma_comm.sim.plots import plot_scale
+
+    def runs(ranks: list[int], group: int) -> list[dict]:
+        out = []
+        for size in ranks:
+            w = Workload(size, 100, 0.01, steps=2, group_size=min(group, size))
+            out.append({"ranks": size, "workload": asdict(w), "cost_model": ZERO.to_dict(),
+                        "results": {"allreduce": simulate("allreduce", w, ZERO).to_dict()}})
+        return out
+
+    title = plot_scale(runs([4, 64], 8), str(tmp_path / "a.png")).axes[0].get_title()
+    assert "group 4-8," in title
+    title = plot_scale(runs([16], 0), str(tmp_path / "b.png")).axes[0].get_title()
+    assert "group 8," in title

@@ -79,6 +79,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        if not isinstance(data, dict):  # a list or a number was an AttributeError/TypeError
+            raise InvalidArgumentError("cost", f"expected a JSON object of cost model "
+                                       f"fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         missing = sorted(known - set(data) - {"name", "source"})
         if missing:
@@ -99,7 +102,7 @@ class CostModel:
                 data = json.load(fh)
         except (OSError, ValueError) as exc:
             raise InvalidArgumentError("cost", f"cannot read cost model {path!r}: {exc}") from exc
-        return cls.from_dict(data.get("cost_model", data))
+        return cls.from_dict(data.get("cost_model", data) if isinstance(data, dict) else data)
 
 
 # A cluster of 8-GPU nodes (NVLink inside, one 200 Gb/s NIC per GPU between).

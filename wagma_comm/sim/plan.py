@@ -67,6 +67,9 @@ def plan(base: Workload, cost: CostModel, group_sizes: Sequence[int] | None = No
         raise InvalidArgumentError("sync_periods", f"{longer} exceed the {base.steps} simulated "
                                    "steps: no sync round would be simulated; simulate more "
                                    "steps or choose shorter periods")
+    # A size or period given twice was simulated twice and shown twice, each
+    # copy marked recommended.
+    sizes, periods = list(dict.fromkeys(sizes)), list(dict.fromkeys(periods))
     lib = Collectives(base.size, cost, base.itemsize, base.algorithm)
     out = []
     for s in sizes:

@@ -24,9 +24,13 @@ def plot_scale(runs: Sequence[dict[str, Any]], path: str) -> Any:
     ax.set_ylabel("simulated iterations / s")
     if runs:
         w, cost = runs[0]["workload"], runs[0]["cost_model"]
+        # Each job's own group: --group-size is capped at each job size, and 0
+        # means half of it (the first run's figure was shown for every size).
+        sizes = sorted({r["workload"]["group_size"] or max(1, r["ranks"] // 2) for r in runs})
+        group = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
         ax.set_title(f"wagma sim: {w['elements'] * w['itemsize'] / 1e6:g} MB model, "
                      f"compute {w['compute_s'] * 1e3:g} ms, {w['imbalance']}, group "
-                     f"{w['group_size']}, sync {w['sync_every']}, cost {cost['name']}",
+                     f"{group}, sync {w['sync_every']}, cost {cost['name']}",
                      fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -21,8 +21,13 @@ Partial collectives (WAGMA, solo, majority) follow ``partial/base.py``:
   its application arrives and runs the all-to-all arrival check beside the
   data (as ``partial/base.py`` does); it ends when both have.
 
-Staleness is what the runtime reports to ``step()``: the number of rounds at or
-after this one that had started on the rank when its application arrived.
+Staleness is what the runtime reports to ``step()``: 0 when the rank's current
+contribution made its round; else, for solo and majority, the number of rounds
+at or after this one that had started on the rank when its application arrived;
+for WAGMA (``partial/wagma.py``: a late step gets the newest completed round,
+``round - iteration + 1``) the number of those that had completed, or 1 when its
+own round was still running. Before session 47 WAGMA's counted started rounds
+too, one more than the runtime whenever a later round was running.
 """
 
 from __future__ import annotations
@@ -53,7 +58,11 @@ class Workload:
     """What one simulated run trains: ``size`` ranks, a model of ``elements``
     elements of ``itemsize`` bytes, ``compute_s`` per step plus the injector's
     delay (``imbalance``: a :func:`~wagma_comm.imbalance.make_injector` spec),
-    ``steps`` iterations."""
+    ``steps`` iterations. ``first_round``: the partial collectives' round
+    number of step 0 (their ``first_round``): their sync rounds, group steps
+    and majority activators follow ``first_round + t``, the injector and the
+    blocking methods ``t``. ``wagma imbalance`` keeps one collective across its
+    warm-up and timed runs, so its k-th timed run starts at round k * steps."""
 
     size: int
     elements: int
@@ -65,10 +74,12 @@ class Workload:
     itemsize: int = 4
     seed: int = 0
     algorithm: str | None = None
+    first_round: int = 0
 
     def __post_init__(self) -> None:
         for name, minimum in (("size", 1), ("elements", 0), ("steps", 1), ("sync_every", 1),
-                              ("itemsize", 1), ("seed", 0), ("group_size", 0)):
+                              ("itemsize", 1), ("seed", 0), ("group_size", 0),
+                              ("first_round", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(name, f"expected an int >= {minimum}, got {value!r}")
@@ -144,6 +155,7 @@ class _Run:
         # partial collectives only: when step() had contributed, when rounds started
         self.arrivals = np.zeros((w.steps, P))
         self.starts = np.zeros((w.steps, P))
+        self.ends = np.zeros((w.steps, P))
         self.fresh = 0
         self.contributions = 0
 
@@ -174,11 +186,11 @@ class _Run:
         elif m == "dpsgd":
             e = self._blocking(lib.neighbours(w.elements), a)
         else:
-            e = self._partial(t, a, sync)
+            e = self._partial(t, a)
         self.waited += e - a
         self.end = e
 
-    def _partial(self, t: int, a: np.ndarray, sync: bool) -> np.ndarray:
+    def _partial(self, t: int, a: np.ndarray) -> np.ndarray:
         """One round of a persistent partial collective. Besides its schedule a
         round costs what ``partial/`` does on the host: step() copies the
         contribution in (before it activates), the progress thread copies the
@@ -189,7 +201,8 @@ class _Run:
         copy = cost.op_overhead_s + nbytes * cost.copy_s_per_byte
         finish = cost.op_overhead_s + nbytes * cost.reduce_s_per_byte
         a = a + copy  # _contribute
-        if sync:
+        r = w.first_round + t  # the collective's own round number
+        if activation.is_sync_round(r, w.sync_every):
             # partial/base.py starts the arrival check beside the data exchange
             # (not before it: docs/partial.md); the model gives the two no shared
             # port, so the round ends when both have.
@@ -204,7 +217,7 @@ class _Run:
             act = self._activation(t, a)
             s = np.maximum(act, self.busy_until)
             if self.method in ("wagma", "wagma_group_scope"):
-                dag = lib.partition(w.group, activation.group_step(t, w.sync_every),
+                dag = lib.partition(w.group, activation.group_step(r, w.sync_every),
                                     w.elements, "sum", flags=True)
             else:
                 dag = lib.global_round(w.elements)
@@ -213,6 +226,7 @@ class _Run:
             self._count(dag)
             fresh = a <= s
         self.starts[t] = s
+        self.ends[t] = e
         self.arrivals[t] = a
         self.busy_until = e
         self.fresh += int(fresh.sum())
@@ -222,15 +236,16 @@ class _Run:
     def _activation(self, t: int, a: np.ndarray) -> np.ndarray:
         """When each rank's progress thread learns that round ``t`` is on."""
         w, cost = self.w, self.lib.cost
+        r = w.first_round + t
         if self.method == "wagma_group_scope":
             scopes = [np.asarray(g) for g in groups.partition(
-                w.size, w.group, activation.group_step(t, w.sync_every))]
+                w.size, w.group, activation.group_step(r, w.sync_every))]
         else:
             scopes = [np.arange(w.size)]
         act = np.empty(w.size)
         for members in scopes:
             if self.method == "majority":
-                root = int(activation.majority_activator(w.seed, t, w.size))
+                root = int(activation.majority_activator(w.seed, r, w.size))
                 tok, sent = token_arrivals(members, root, a[root], cost)
                 tok[root] = a[root]  # only the activator's own arrival activates
             else:
@@ -252,8 +267,14 @@ class _Run:
         if self.method in PARTIAL:
             fresh_share = self.fresh / self.contributions if self.contributions else None
             for i in range(w.size):
+                steps = np.arange(w.steps)
                 started = np.searchsorted(self.starts[:, i], self.arrivals[:, i], side="left")
-                stale = np.maximum(0, started - np.arange(w.steps))
+                stale = np.maximum(0, started - steps)
+                if self.method in ("wagma", "wagma_group_scope"):
+                    # the newest round completed here when it arrived (rounds run
+                    # in order, so ends are sorted), or its own if none had
+                    done = np.searchsorted(self.ends[:, i], self.arrivals[:, i], side="left")
+                    stale = np.where(stale > 0, np.maximum(1, done - steps), 0)
                 for k, v in zip(*np.unique(stale, return_counts=True)):
                     hist[int(k)] = hist.get(int(k), 0) + int(v)
         return SimResult(
