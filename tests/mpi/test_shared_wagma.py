@@ -8,11 +8,12 @@ arrived, the test would hang and fail at its timeout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -857,3 +858,152 @@ def test_ready_must_be_a_bool_on_the_board_too(comm: Communicator) -> None:
         w.publish(np.zeros(3), ready=1)
     assert info.value.argument == "ready"
     w.close()
+
+
+@contextlib.contextmanager
+def _small_shared_exchange(max_bytes: int) -> Iterator[None]:
+    """Communicators made inside send reductions over ``max_bytes`` (bytes
+    per rank) through message schedules, though the WAGMA board still takes
+    models up to MODEL_MAX_BYTES: a sync round is then a message allreduce
+    (as for a model over 1 MiB where ranks do not outnumber cores)."""
+    import os
+
+    before = os.environ.get("WAGMA_SHM_MAX_BYTES")
+    os.environ["WAGMA_SHM_MAX_BYTES"] = str(max_bytes)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["WAGMA_SHM_MAX_BYTES"]
+        else:
+            os.environ["WAGMA_SHM_MAX_BYTES"] = before
+
+
+@needs_peers
+def test_a_sync_round_on_a_message_schedule_names_the_rank_that_never_arrived() -> None:
+    """The slow rank never steps; the others' sync round (round 2) is a
+    message allreduce (a model over the segment's exchange limit). Its
+    timeout must name the slow rank on every rank, from the board's ARRIVED
+    words. Before session 47 a rank named the peer its schedule was waiting
+    on, which was itself waiting for the slow rank (at 4 ranks rank 0 named
+    rank 2), while the message path's arrival check names it exactly."""
+    with _small_shared_exchange(1024):
+        c = wagma_comm.init(timeout=30)
+    n = 4096  # 32 KiB of float64: over the exchange's 1 KiB, on the board
+    w = _wagma(c, np.zeros(n), 2, sync_every=3, timeout=2.0)
+    assert w._sync_algorithm != SHARED, w._sync_algorithm
+    if RANK != SLOW:
+        model = np.zeros(n)
+        w.step(model)
+        w.step(model)
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as info:
+            w.step(model)
+        err = info.value
+        assert err.collective == w.kind and err.round == 2, err
+        assert err.ranks == (SLOW,), err
+        assert str(err).count("ranks:") == 1, str(err)
+        w.close()  # broken: released here
+    WORLD.Barrier()
+    if RANK == SLOW:  # close() is collective and the others are gone
+        with pytest.raises((wagma_comm.CollectiveTimeoutError, wagma_comm.MismatchError)):
+            w.close()
+    c.close(cancel=True)
+
+
+@needs_peers
+@pytest.mark.parametrize("where", ["board_lock", "sync_round", "flush"])
+def test_a_step_or_flush_cancelled_on_the_board_names_the_collective(where: str) -> None:
+    """Rank 0 waits on the board (for the slow rank's lock), in a sync
+    round or in flush() that its peers never join, when its communicator
+    is closed with cancel=True on another thread. The error names the
+    collective and the round or call, as on the message path
+    (``wait_avoiding_group_allreduce (flush()): communicator closed while
+    in flight``); before session 47 the board said only "communicator
+    closed while in flight (cancel=True)"."""
+    from wagma_comm.transport import shm_lock
+
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1 if where == "sync_round" else 1000,
+               timeout=20.0)
+    if where == "board_lock" and RANK == SLOW:
+        assert shm_lock.acquire(w._board.locks[SLOW], time.monotonic() + 5.0)
+    WORLD.Barrier()
+    if RANK == 0:
+        if where == "flush":
+            outcome: dict[str, Any] = {}
+
+            def run() -> None:
+                try:
+                    outcome["error"] = w.flush()
+                except BaseException as exc:  # reported by the asserts below
+                    outcome["error"] = exc
+
+            flusher = threading.Thread(target=run)
+            flusher.start()
+            time.sleep(0.3)  # its agreement waits for the peers
+            c.close(cancel=True)
+            flusher.join(30)
+            assert not flusher.is_alive()
+            error, expected = outcome["error"], f"{w.kind} (flush()): "
+        else:
+            error, _ = _step_then_cancel(c, w, np.ones(4))
+            expected = f"{w.kind} (round 0): "
+        assert isinstance(error, wagma_comm.CommunicatorClosedError), error
+        assert str(error).startswith(expected) and "cancel" in str(error), error
+    WORLD.Barrier()
+    if where == "board_lock" and RANK == SLOW:
+        shm_lock.release(w._board.locks[SLOW])
+    c.close(cancel=True)
+    w.close()  # its communicator is closed: released locally
+
+
+@needs_peers
+def test_an_async_group_steps_handle_times_the_step() -> None:
+    """``Handle.elapsed`` is seconds from submission to completion. Rank 0's
+    async group step waits inside the board for the slow rank's lock, held
+    for 0.5 s: its handle must say so. Before session 47 the handle was
+    made after the round, so elapsed was about 0 however long the step took."""
+    from wagma_comm.transport import shm_lock
+
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1000, timeout=20.0)
+    if RANK == SLOW:
+        assert shm_lock.acquire(w._board.locks[SLOW], time.monotonic() + 5.0)
+    WORLD.Barrier()
+    if RANK == SLOW:
+        time.sleep(0.5)
+        shm_lock.release(w._board.locks[SLOW])
+    elif RANK == 0:
+        h = w.step(np.ones(4), async_op=True)
+        assert h.wait().round == 0
+        assert h.elapsed is not None and h.elapsed >= 0.4, h.elapsed
+    WORLD.Barrier()
+    c.close(cancel=True)
+    w.close()
+
+
+@needs_peers
+def test_a_sync_round_on_a_broken_communicator_breaks_the_collective() -> None:
+    """Rank 0's communicator is broken (an allreduce its peers never join
+    timed out), so its sync round's allreduce is refused at once. That must
+    fail the step naming this collective and round and break the
+    collective. Before session 47 the bare "communicator is broken" error
+    came out of step(), the collective stayed usable, and the next step ran
+    a group round on the board as if the sync round had happened."""
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), 2, sync_every=2, timeout=5.0)
+    w.step(np.zeros(4))  # round 0: a group round
+    WORLD.Barrier()
+    if RANK == 0:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError):
+            c.allreduce(np.ones(2), timeout=0.5)  # nobody else calls it
+        with pytest.raises(wagma_comm.CommunicatorClosedError) as info:
+            w.step(np.zeros(4))  # round 1: synchronous
+        assert str(info.value).startswith(f"{w.kind} (round 1): "), info.value
+        assert w.statistics()["broken"] is not None
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
+            w.step(np.zeros(4))  # round 2 would be a group round on the board
+        assert w.statistics()["rounds"] == 1
+    WORLD.Barrier()
+    c.close(cancel=True)
+    w.close()  # broken, or its communicator closed: released locally

@@ -60,7 +60,8 @@ from ..runtime.activation import group_step, is_sync_round
 from ..runtime.handle import Handle, check_wait_timeout
 from ..schedule import algorithms
 from ..transport import shm_lock
-from ..transport.shm_board import ACTIVATOR, DIED, HOLDER, PUBLISHED, RESULT, Board
+from ..transport.shm_board import (ACTIVATOR, ARRIVED, DIED, HOLDER, PUBLISHED, RESULT,
+                                    Board)
 from .base import (CLOSE, FLUSH, FLUSH_ROUND, agree, check_first_round, check_step_buffer,
                    check_sync_every, final_call_differences)
 from .info import RoundInfo, Telemetry
@@ -195,6 +196,7 @@ class SharedWaitAvoidingGroupAllreduce:
         # step on another thread then finishes first or sees it closed.
         self._use = threading.RLock()
         self._liveness_checked = 0.0
+        self._arrivals = 0  # blocking rounds entered here (the board's ARRIVED word)
         self._left_step: float | None = None  # when the last step() returned
         self._compute_s: float | None = None  # moving average of the time between steps
 
@@ -238,6 +240,7 @@ class SharedWaitAvoidingGroupAllreduce:
         if not async_op:
             return info
         done = Handle(self.kind, t, started, lambda: True)
+        done.started = started  # elapsed: the step's own time, as a queued step's is
         done._complete(info)
         return done
 
@@ -380,7 +383,7 @@ class SharedWaitAvoidingGroupAllreduce:
         deadline = start + self.grace * self._compute_s
         while now < deadline and worth_waiting():
             time.sleep(min(GRACE_POLL_S, deadline - now))
-            self._check_cancel()
+            self._check_cancel(t)
             now = time.monotonic()
         return now - start
 
@@ -488,7 +491,7 @@ class SharedWaitAvoidingGroupAllreduce:
         instead of reading the torn model as data."""
         words, lock = self._board.words[m], self._board.locks[m]
         try:
-            survived = shm_lock.acquire(lock, deadline, self._check_cancel)
+            survived = shm_lock.acquire(lock, deadline, lambda: self._check_cancel(t))
         except shm_lock.LockTimeout:
             holder = int(words[HOLDER])  # -1: the holder has not written it yet
             who, ranks = ((f"rank {holder}", [holder]) if 0 <= holder < self.size
@@ -508,15 +511,16 @@ class SharedWaitAvoidingGroupAllreduce:
             raise self._break(RankFailedError(self.kind, t, ranks, f"{who} died holding {slot}"))
         words[HOLDER] = self.rank
 
-    def _check_cancel(self) -> None:
+    def _check_cancel(self, t: int) -> None:
         """(between waits for a peer) Raise close(cancel=True)'s error: the
         communicator's shared exchange carries it from before close takes
         any lock, so a step waiting for a lock held by a peer that stopped,
-        or in its grace, ends within a nap instead of at its deadline."""
+        or in its grace, ends within a nap instead of at its deadline. Said
+        of this collective and round ``t``, as on the message path."""
         shared = self._comm._shared
         error = None if shared is None else shared.cancelled()
         if error is not None:
-            raise self._break(error)
+            raise self._break(CommunicatorClosedError(f"{self.kind} (round {t}): {error}"))
 
     def _died_holding(self, holder: int) -> int:
         """Who died holding a lock (for the DIED word, never negative): the
@@ -546,12 +550,18 @@ class SharedWaitAvoidingGroupAllreduce:
         then published here. ``counted``: a step's sync round; else flush(buf)'s
         extra mean, which keeps the round number and is named for the flush."""
         what = "synchronous round" if counted else "flush(buf)'s global mean"
-        inner = self._comm.allreduce(buf, "avg", async_op=True,
-                                     algorithm=self._sync_algorithm, timeout=self.timeout)
+        arrived = self._arrive()
+        try:
+            inner = self._comm.allreduce(buf, "avg", async_op=True,
+                                         algorithm=self._sync_algorithm, timeout=self.timeout)
+        except WagmaError as exc:  # refused at once (a broken communicator): this round
+            # failed, and later group rounds must not go on without it
+            raise self._named(exc, t, what, call=None if counted else "flush()") from None
 
         def then(error: BaseException | None) -> RoundInfo:
             if error is not None:
-                raise self._named(error, t, what)
+                raise self._named(error, t, what, call=None if counted else "flush()",
+                                  arrived=arrived)
             with self._use:
                 if not self._board.closed:  # else nobody reads this rank's slot any more
                     # A flush's mean is this rank's model after its last step,
@@ -599,20 +609,55 @@ class SharedWaitAvoidingGroupAllreduce:
         table[self.rank] = self._app_round, call
         try:
             self._comm.allreduce(table, "sum", timeout=self.timeout)
-        except CollectiveError as exc:
-            raise self._named(exc, self._app_round, f"{what}()") from None
+        except (CollectiveError, CommunicatorClosedError) as exc:
+            raise self._named(exc, self._app_round, f"{what}()", call=f"{what}()") from None
         differ, mine = final_call_differences(table, self.rank)
         if differ:
             raise self._break(MismatchError(self.kind, self._app_round, differ, mine))
 
-    def _named(self, error: BaseException, t: int, what: str) -> WagmaError:
-        """The communicator's error, renamed for this collective's round."""
+    def _named(self, error: BaseException, t: int, what: str, *, call: str | None = None,
+               arrived: int | None = None) -> WagmaError:
+        """The communicator's error, renamed for this collective's round
+        (``call``: the flush or close it was, for a cancel's text, as on the
+        message path). ``arrived``: the blocking round's number on the
+        board (:meth:`_arrive`): a timeout then names the ranks that never
+        entered it, not the peer a message schedule was waiting on (which
+        may itself be waiting for them)."""
+        if isinstance(error, CollectiveTimeoutError) and arrived is not None:
+            missing = self._not_arrived(arrived)
+            if missing:
+                error = CollectiveTimeoutError(
+                    self.kind, t, missing, f"{what}: rank(s) {missing} never arrived "
+                    f"({error.where}: {error.detail})")
+                return self._break(error)
         if isinstance(error, (CollectiveTimeoutError, RankFailedError)):
             error = type(error)(self.kind, t, error.ranks,
                                 f"{what}: {error.where}: {error.detail}")
+        elif type(error) is CommunicatorClosedError:  # close(cancel=True)'s bare text
+            error = CommunicatorClosedError(f"{self.kind} ({call or f'round {t}'}): {error}")
         elif not isinstance(error, WagmaError):
             error = WagmaError(str(error))
         return self._break(error)
+
+    def _arrive(self) -> int:
+        """Before a blocking round's allreduce: say on the board that this
+        rank entered it. Why: a message schedule's timeout names the peer it
+        was waiting on, often one waiting like itself for the rank that
+        never came (the message path's sync rounds run an arrival check
+        for this); the board tells without a message. Returns its number."""
+        self._arrivals += 1
+        with self._use:
+            if not self._board.closed:
+                self._board.words[self.rank][ARRIVED] = self._arrivals
+        return self._arrivals
+
+    def _not_arrived(self, k: int) -> list[int]:
+        """The ranks that have not entered this rank's ``k``-th blocking round
+        (unlocked reads: a hint for naming only); [] once unmapped."""
+        with self._use:
+            if self._board.closed:
+                return []
+            return [r for r in range(self.size) if self._board.words[r][ARRIVED] < k]
 
     def _break(self, error: WagmaError) -> WagmaError:
         if self._error is None:

@@ -18,7 +18,10 @@ One block per rank, each guarded by its own robust process-shared lock
               model), RESULT (the newest
               round whose result is in this block, -1: none), ACTIVATOR,
               DIED (a rank that died holding the lock, -1: none; set by the
-              holder after it, so that every later holder is told too)
+              holder after it, so that every later holder is told too),
+              ARRIVED (how many blocking rounds this rank has entered, -1:
+              none; written by its owner without the lock, read only to
+              name the ranks a timed-out sync round waited for)
     flags     one byte per member of RESULT's group: its contribution was fresh
     published the model this rank last published
     result    the group sum of round RESULT, for this rank
@@ -38,7 +41,7 @@ import numpy as np
 from . import shm_lock
 from .shm import create_file
 
-HOLDER, PUBLISHED, RESULT, ACTIVATOR, DIED = 0, 1, 2, 3, 4
+HOLDER, PUBLISHED, RESULT, ACTIVATOR, DIED, ARRIVED = 0, 1, 2, 3, 4, 5
 _WORDS = 8
 
 
@@ -126,4 +129,5 @@ class Board:
                 pass  # a view is still exported: the mapping goes with it
 
 
-__all__ = ["Board", "block_bytes", "HOLDER", "PUBLISHED", "RESULT", "ACTIVATOR", "DIED"]
+__all__ = ["Board", "block_bytes", "HOLDER", "PUBLISHED", "RESULT", "ACTIVATOR", "DIED",
+           "ARRIVED"]
