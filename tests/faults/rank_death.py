@@ -98,6 +98,20 @@ def main() -> None:
                 wagma.step(model)
                 time.sleep(0.005)
         record(comm, steps)
+    elif CASE == "majority":  # dies between steps: survivors wait for activations
+        grads = np.ones(1 << 10, np.float32)
+        majority = comm.majority_allreduce(grads, sync_every=1000)
+        for _ in range(3):
+            majority.step(grads)
+        comm.barrier()
+        if victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def majority_steps() -> None:
+            for _ in range(400):
+                majority.step(grads)
+                time.sleep(0.005)
+        record(comm, majority_steps)
     elif CASE in ("shared_memory", "shared_memory_poll"):  # round 1, in the segment
         # The victim never takes part: it is killed while the others wait for
         # its row (blocking), or poll for it (non-blocking, nobody waits).

@@ -129,3 +129,48 @@ def test_stopping_the_monitor_joins_its_thread_even_mid_look() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def _spawn_with_pid(pid: int) -> subprocess.Popen | None:
+    """A new sleeper that gets ``pid`` (a dead process's, freed): the next
+    pid is set through /proc/sys/kernel/ns_last_pid. None where that is not
+    allowed, or other processes keep taking the pid first."""
+    for _ in range(50):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        child = _sleeper()
+        if child.pid == pid:
+            return child
+        child.kill()
+        child.wait()
+    return None
+
+
+def test_a_dead_ranks_pid_taken_by_a_new_process_is_still_dead() -> None:
+    """The kernel hands a freed pid to the next process once the pid
+    counter wraps (pid_max is 32768 on many hosts), and nobody looks while
+    nothing is in flight: before session 47 a peer that died in such a
+    pause was judged alive from then on, so the next collective waited for
+    its timeout and MPI_Finalize for the dead rank at exit. The start time
+    seen at construction tells the newcomer apart."""
+    host = liveness.identity()[0]
+    child = _sleeper()
+    live = liveness.Liveness(0, [(host, os.getpid()), (host, child.pid)])
+    assert live.dead([1]) == []
+    time.sleep(0.1)  # start times count clock ticks (10 ms): a later one must differ
+    pid = child.pid
+    child.kill()
+    child.wait()
+    newcomer = _spawn_with_pid(pid)
+    if newcomer is None:
+        pytest.skip("cannot choose the next pid here (/proc/sys/kernel/ns_last_pid)")
+    try:
+        assert not liveness.process_gone(pid)  # a process runs under that pid
+        assert live.dead([1]) == [1]
+        assert f"rank 1 (pid {pid})" in live.describe_dead()
+    finally:
+        newcomer.kill()
+        newcomer.wait()

@@ -40,6 +40,9 @@ CASES = {
     "group_allreduce": ("group_allreduce", 1),
     "wait_avoiding": (None, None),
     "sync_round": (None, None),
+    # A step waiting for its round's activation (no engine Work): before
+    # session 47 a survivor timed out naming the round's activator instead.
+    "majority": ("majority_allreduce", 3),
     "shared_memory": ("allreduce", 1),
     "shared_memory_poll": ("allreduce", 1),  # found by the polls, not at the deadline
     "board_lock": ("wait_avoiding_group_allreduce", 1),  # died holding its board lock
@@ -102,3 +105,52 @@ def test_rank_death_ends_the_job_and_says_why(case: str, tmp_path: Path) -> None
             assert report["round"] >= round_, report
         else:
             assert report["collective"] in ("wait_avoiding_group_allreduce", "allreduce")
+
+
+_SEGMENTS_SCRIPT = """
+import os, signal, sys
+import numpy as np
+import wagma_comm
+
+victim, out = int(sys.argv[1]), sys.argv[2]
+comm = wagma_comm.init(timeout=5.0)
+comm.barrier()
+with open("/proc/self/maps") as f:  # MPI's named segments this rank maps
+    names = {line.split(None, 5)[5] for line in f.read().splitlines()
+             if len(line.split(None, 5)) == 6 and "/dev/shm/" in line
+             and not line.endswith(" (deleted)")}
+with open(os.path.join(out, f"maps{comm.rank}"), "w") as f:
+    f.write("\\n".join(sorted(names)))
+comm.barrier()
+if comm.rank == victim:
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    comm.allreduce(np.ones(1 << 20, np.float32), algorithm="ring")
+except wagma_comm.RankFailedError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_survivors_of_a_death_leave_no_mpi_segment_in_dev_shm(victim: int,
+                                                               tmp_path: Path) -> None:
+    """Survivors skip MPI_Finalize (it would wait for the dead rank), which
+    is what unlinks MPICH's /dev/shm/mpich_shm_* segment: before session 47
+    every job that lost a rank left one (4 MiB) behind, whichever rank died
+    (each survivor's exit now unlinks the MPI segments it maps)."""
+    script = tmp_path / "segments.py"
+    script.write_text(_SEGMENTS_SCRIPT)
+    command = (f"trap '' USR1; {sys.executable} {script} {victim} {tmp_path}; "
+               f"echo $? > {tmp_path}/status$PMI_RANK")
+    proc = subprocess.run(
+        [str(MPIEXEC), "-disable-auto-cleanup", "-n", "3", "sh", "-c", command],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    statuses = {r: (tmp_path / f"status{r}").read_text().strip() for r in range(3)}
+    assert statuses[victim] == str(128 + 9), (statuses, proc.stderr[-2000:])
+    assert all(s == str(EXIT_CODE) for r, s in statuses.items() if r != victim), (
+        statuses, proc.stderr[-2000:])
+    names = {name for r in range(3) for name in (tmp_path / f"maps{r}").read_text().split()}
+    if not names:
+        pytest.skip("this MPI maps no named segment in /dev/shm")
+    left = sorted(name for name in names if os.path.exists(name))
+    assert left == [], left

@@ -47,6 +47,7 @@ from ..kernels import host as host_kernels
 from ..runtime import activation
 from ..runtime.engine import Stage, Work
 from ..runtime.handle import Handle
+from ..runtime.liveness import PERIOD_S
 from ..schedule import algorithms
 from ..schedule.ir import DATA
 from .info import RoundInfo, Telemetry
@@ -229,6 +230,7 @@ class PartialCollective:
         # When the last round completed here (progress thread): a step queued
         # behind rounds that were running waits for its activation from then.
         self._idle_since = time.monotonic()
+        self._liveness_due = 0.0  # the next look at peers' liveness while steps wait
         self._error: WagmaError | None = None
         self._closed = False
         # progress thread only
@@ -570,8 +572,10 @@ class PartialCollective:
         now = time.monotonic()
         since = self._idle_since + self.timeout
         with self._lock:
-            late = [c for t, c in self._pending.items()
-                    if t > self._started and now > max(c.deadline, since)]
+            waiting = [c for t, c in self._pending.items() if t > self._started]
+            late = [c for c in waiting if now > max(c.deadline, since)]
+        if waiting and not late and now >= self._liveness_due:
+            return self._check_activation_liveness(waiting[0], now)
         for call in late:
             waiting = self._waiting_for(call.iteration)
             self._break(CollectiveTimeoutError(
@@ -579,6 +583,22 @@ class PartialCollective:
                 f"round {call.iteration} was not activated within {self.timeout:g} s"))
             return True
         return False
+
+    def _check_activation_liveness(self, call: _Call, now: float) -> bool:
+        """A step waiting for its round's activation is no engine Work, so no
+        liveness check looked at it: a majority step whose activator, or a
+        peer whose step would activate it, had died waited out the whole
+        timeout and then named the activator (rank 1 where rank 2 was
+        killed). Every ``liveness.PERIOD_S`` while steps wait, a dead rank
+        fails them (RankFailedError naming it)."""
+        self._liveness_due = now + PERIOD_S
+        dead = self._engine.watch.dead_ranks(self._everyone)
+        if not dead:
+            return False
+        self._break(RankFailedError(
+            self.kind, call.iteration, dead,
+            f"gone while round {call.iteration} waited for its activation"))
+        return True
 
     # -- rounds ------------------------------------------------------------------------
     def _take(self) -> np.ndarray:

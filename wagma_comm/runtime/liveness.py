@@ -42,11 +42,32 @@ def identity() -> tuple[str, int]:
     return "|".join(parts), os.getpid()
 
 
-def process_gone(pid: int) -> bool:
-    """True if ``pid`` no longer runs: no such process, or a zombie."""
+def _read_stat(pid: int) -> bytes:
+    """/proc/<pid>/stat (FileNotFoundError where the process is gone)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read()
+
+
+def _stat_fields(stat: bytes) -> list[bytes]:
+    """The fields after "pid (comm)" (comm may hold spaces and parentheses):
+    [0] is the state, [19] the start time."""
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None where unknown:
+    what tells a process from a later one given the same pid."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        return int(_stat_fields(_read_stat(pid))[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_gone(pid: int, started: int | None = None) -> bool:
+    """True if ``pid`` no longer runs: no such process, or a zombie, or (with
+    ``started``, its start_time()) a later process that was given its pid."""
+    try:
+        stat = _read_stat(pid)
     except FileNotFoundError:
         return True
     except OSError:  # no /proc here (not Linux): fall back to a signal probe
@@ -57,9 +78,12 @@ def process_gone(pid: int) -> bool:
         except PermissionError:
             return False
         return False
-    # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces).
-    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
-    return state in (b"Z", b"X", b"x")
+    fields = _stat_fields(stat)
+    if fields[:1] and fields[0] in (b"Z", b"X", b"x"):
+        return True
+    if started is not None and len(fields) > 19 and fields[19] != str(started).encode():
+        return True  # the pid was freed and given to another process
+    return False
 
 
 class Liveness:
@@ -70,6 +94,10 @@ class Liveness:
         self.rank = rank
         host = peers[rank][0]
         self._local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
+        # Read now, while every peer runs (they just published their pids):
+        # a pid freed by a death is given to a later process once the pid
+        # counter wraps, and nobody looks while nothing is in flight.
+        self._started = {r: start_time(pid) for r, pid in self._local.items()}
         self._dead: set[int] = set()
         _watch_at_exit(self)
 
@@ -84,7 +112,7 @@ class Liveness:
         for r in ranks:
             if r in self._dead:
                 found.append(r)
-            elif r in self._local and process_gone(self._local[r]):
+            elif r in self._local and process_gone(self._local[r], self._started[r]):
                 self._dead.add(r)
                 found.append(r)
                 _record_death(self)
@@ -182,6 +210,36 @@ def _exit_without_finalize() -> None:
         _exit(_DEATHS[0], "skipping MPI_Finalize, which would wait for it")
 
 
+_MPI_SEGMENT_PREFIXES = ("/dev/shm/mpich_shm_",)  # what MPI_Finalize would unlink
+
+
+def _unlink_mpi_segments() -> None:
+    """Unlink the named shared-memory segments of MPI that this process maps.
+
+    Why: MPICH keeps the name of its segment (/dev/shm/mpich_shm_*, 4 MiB
+    and more) until MPI_Finalize removes it, and the exit below skips
+    MPI_Finalize: before session 47 every job that lost a rank left one
+    behind on each host. Every rank of the host attached it at MPI_Init and
+    this process is ending, so nobody needs the name any more (a segment
+    still mapped lives on until its last user is gone)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:  # not Linux
+        return
+    paths = set()
+    for line in lines:
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5].startswith(_MPI_SEGMENT_PREFIXES) \
+                and not fields[5].endswith(" (deleted)"):
+            paths.add(fields[5])
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # a peer on this host unlinked it first
+            pass
+
+
 def _exit(liveness: Liveness, why: str) -> None:
     sys.stderr.write(f"wagma_comm: rank {liveness.rank} exits (code {EXIT_CODE}): "
                      f"{liveness.describe_dead()} is gone (killed or exited) and MPI "
@@ -191,8 +249,9 @@ def _exit(liveness: Liveness, why: str) -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 -- exiting regardless
             pass
+    _unlink_mpi_segments()
     os._exit(EXIT_CODE)
 
 
 __all__ = ["Liveness", "Monitor", "PERIOD_S", "GRACE_S", "EXIT_CODE", "identity",
-           "process_gone"]
+           "process_gone", "start_time"]
