@@ -44,15 +44,23 @@ def message_path() -> Iterator[None]:
     """Communicators made inside have no shared-memory segment (as across
     hosts, or with ``WAGMA_SHM=0``), so small reductions take the message
     path (runtime/inline.py) by default. Every rank enters it alike."""
-    before = os.environ.get("WAGMA_SHM")
-    os.environ["WAGMA_SHM"] = "0"
+    with env_set("WAGMA_SHM", "0"):
+        yield
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` is ``value`` inside (communicators
+    read theirs at init), as it was afterwards."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ["WAGMA_SHM"]
+            del os.environ[name]
         else:
-            os.environ["WAGMA_SHM"] = before
+            os.environ[name] = before
 
 
 @pytest.fixture(scope="module")

@@ -866,17 +866,10 @@ def _small_shared_exchange(max_bytes: int) -> Iterator[None]:
     per rank) through message schedules, though the WAGMA board still takes
     models up to MODEL_MAX_BYTES: a sync round is then a message allreduce
     (as for a model over 1 MiB where ranks do not outnumber cores)."""
-    import os
+    from conftest import env_set
 
-    before = os.environ.get("WAGMA_SHM_MAX_BYTES")
-    os.environ["WAGMA_SHM_MAX_BYTES"] = str(max_bytes)
-    try:
+    with env_set("WAGMA_SHM_MAX_BYTES", str(max_bytes)):
         yield
-    finally:
-        if before is None:
-            del os.environ["WAGMA_SHM_MAX_BYTES"]
-        else:
-            os.environ["WAGMA_SHM_MAX_BYTES"] = before
 
 
 @needs_peers
