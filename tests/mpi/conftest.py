@@ -22,6 +22,14 @@ import wagma_comm
 # Short deadline: a test that hangs fails within seconds, not minutes.
 TEST_TIMEOUT_S = 60.0
 
+# Tests that wait out deadlines or race threads, whose subject does not change
+# with the rank count beyond 4: they run at 2, 3 and 4 ranks and are skipped
+# at 8, where each costs the most (8 ranks on 2 cores) and the 8-rank run was
+# the longest part of `make test` (session 47: 370 s of 1305).
+up_to_4_ranks = pytest.mark.skipif(
+    MPI.COMM_WORLD.Get_size() > 4,
+    reason="a deadline or thread test, independent of the rank count: run at 2-4 ranks")
+
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed:

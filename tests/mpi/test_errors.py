@@ -14,7 +14,7 @@ import wagma_comm
 from wagma_comm import Communicator
 from wagma_comm.comm import INLINE_MAX_BYTES
 
-from conftest import message_path
+from conftest import message_path, up_to_4_ranks
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -468,6 +468,7 @@ CHUNKED = [("allreduce", "ring"), ("allreduce", "rabenseifner"),
 
 @pytest.mark.parametrize("straight", [True, False], ids=["straight-line", "dataflow"])
 @pytest.mark.parametrize("collective, algorithm", CHUNKED, ids=[a for _, a in CHUNKED])
+@up_to_4_ranks
 def test_a_count_mismatch_with_empty_chunks_is_never_a_silent_result(
         monkeypatch: pytest.MonkeyPatch, collective: str, algorithm: str,
         straight: bool) -> None:
@@ -515,6 +516,7 @@ def test_a_count_mismatch_with_empty_chunks_is_never_a_silent_result(
 @pytest.mark.parametrize("path, mismatch", [
     ("straight-line", "count"), ("dataflow", "count"), ("executor", "count"),
     ("straight-line", "dtype"), ("dataflow", "dtype"), ("executor", "dtype")])
+@up_to_4_ranks
 def test_a_size_mismatch_on_the_message_path_is_never_a_silent_result(
         monkeypatch: pytest.MonkeyPatch, path: str, mismatch: str) -> None:
     """MPI accepts a message shorter than its receive without an error, so a
@@ -611,6 +613,7 @@ def test_errors_name_the_call_made_not_its_schedule(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("root_is_last", [False, True], ids=["root-0", "root-last"])
+@up_to_4_ranks
 def test_a_broadcast_with_a_count_mismatch_never_returns_wrong_data(root_is_last: bool) -> None:
     """The last rank passes one element more. A broadcast has no reduction,
     so ranks whose messages all had their size get the root's data; the
@@ -820,6 +823,7 @@ def _outcome_in_thread(call: Callable[[], Any], join_s: float,
     return outcome[0], time.monotonic() - started
 
 
+@up_to_4_ranks
 def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
     """The others' init() times out waiting for the late rank; it arrives
     after, while they still drive MPI, so its first duplication completes.
@@ -859,6 +863,7 @@ def test_a_rank_whose_peers_gave_up_on_init_times_out_too() -> None:
     sub.Free()
 
 
+@up_to_4_ranks
 def test_opening_channels_no_peer_joins_times_out() -> None:
     """A persistent collective's channels are duplicated on the progress
     thread once a barrier completed there; a peer whose barrier timed out

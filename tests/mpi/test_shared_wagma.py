@@ -24,8 +24,8 @@ from wagma_comm import Communicator, RoundInfo
 from wagma_comm.partial.shared_wagma import MODEL_MAX_BYTES
 
 from conftest import (message_path, mismatched_creations_are_refused,
-                      mismatched_final_calls_are_named,
-                      step_into_a_missing_sync_round, wagma_rounds_follow)
+                      mismatched_final_calls_are_named, step_into_a_missing_sync_round,
+                      up_to_4_ranks, wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -315,6 +315,7 @@ def test_a_sync_round_waited_on_by_another_thread_is_settled_once(
 
 
 @needs_peers
+@up_to_4_ranks
 def test_close_raises_the_error_of_a_sync_round_nobody_waited_on() -> None:
     """The slow rank never steps, so the others' async sync round times out;
     nobody waits on its handle, so close() (which settles it) must raise
@@ -338,6 +339,7 @@ def test_close_raises_the_error_of_a_sync_round_nobody_waited_on() -> None:
 
 
 @needs_peers
+@up_to_4_ranks
 def test_a_rank_that_stops_stepping_is_named_at_the_sync_round() -> None:
     c = wagma_comm.init(timeout=30)
     w = _wagma(c, np.zeros(2), 2, sync_every=3, timeout=1.0)
@@ -796,6 +798,7 @@ def test_close_cancel_ends_a_step_waiting_for_a_stopped_peers_board_lock() -> No
 
 
 @needs_peers
+@up_to_4_ranks
 def test_close_cancel_ends_a_step_in_its_grace() -> None:
     """Rank 0's round 1 waits out its grace (its whole compute time, 3 s)
     for peers that published round 0 and never come. close(cancel=True)
@@ -818,6 +821,7 @@ def test_close_cancel_ends_a_step_in_its_grace() -> None:
 
 @needs_peers
 @pytest.mark.parametrize("said", [True, False], ids=["holder_said", "holder_unsaid"])
+@up_to_4_ranks
 def test_a_board_lock_timeout_names_the_holder_and_never_a_rank_that_let_go(
         said: bool) -> None:
     """Round 0 runs on rank 0, which takes every member's lock and lets go.
@@ -873,6 +877,7 @@ def _small_shared_exchange(max_bytes: int) -> Iterator[None]:
 
 
 @needs_peers
+@up_to_4_ranks
 def test_a_sync_round_on_a_message_schedule_names_the_rank_that_never_arrived() -> None:
     """The slow rank never steps; the others' sync round (round 2) is a
     message allreduce (a model over the segment's exchange limit). Its
