@@ -15,7 +15,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import up_to_4_ranks
+from conftest import not_at_3_or_8_ranks
 
 from wagma_comm import Communicator, CommunicatorClosedError, InvalidArgumentError
 from wagma_comm.train import DistributedOptimizer
@@ -73,7 +73,7 @@ def _one(opt: DistributedOptimizer, model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("method,end", [("wagma", "finalize"), ("wagma", "close"),
                                         ("local_sgd", "finalize"),
                                         ("allreduce", "finalize"), ("allreduce", "close")])
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_drained_iteration_counts_in_the_statistics(comm: Communicator, method: str,
                                                       end: str) -> None:
     """An iteration started (zero_grad(); gradient methods: averaged by

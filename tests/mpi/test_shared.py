@@ -24,7 +24,7 @@ from wagma_comm.runtime import engine as engine_module
 from wagma_comm.runtime.shared import EAGER_BYTES, SPLIT_MIN_BYTES, SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
-from conftest import message_path, own_communicator, posted, up_to_4_ranks
+from conftest import message_path, not_at_3_or_8_ranks, own_communicator, posted
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -307,7 +307,7 @@ def test_a_mismatch_of_a_nonblocking_call_in_pieces_leaves_it_usable(
         assert np.all(y == SIZE * i + SIZE * (SIZE - 1) / 2)
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_failed_call_never_writes_its_buffer_later() -> None:
     """Rank 0's call of many pieces times out while rank 1 is late; rank 0
     then reuses its buffer. When rank 1 comes and rank 0 closes, the
@@ -332,7 +332,7 @@ def test_a_failed_call_never_writes_its_buffer_later() -> None:
             assert np.all(x == 7.0)
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_test_never_waits_for_a_waiting_thread_and_wait_keeps_its_timeout() -> None:
     """A thread waits on a call whose peer is a second late; meanwhile
     ``test()`` must answer at once and ``wait(timeout=)`` keep its timeout
@@ -356,7 +356,7 @@ def test_test_never_waits_for_a_waiting_thread_and_wait_keeps_its_timeout() -> N
         handle.wait()
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_call_behind_one_with_a_longer_timeout_fails_at_its_own_deadline() -> None:
     """DEPTH calls with a long timeout that nobody joins, then one with a
     short timeout on the same row set: that one times out at its own
@@ -375,7 +375,7 @@ def test_a_call_behind_one_with_a_longer_timeout_fails_at_its_own_deadline() -> 
                     handle.wait()
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_call_behind_queued_pieces_of_a_longer_call_fails_at_its_own_deadline() -> None:
     """A non-blocking call of more pieces than row sets, with a long timeout,
     that nobody joins keeps pieces queued; a blocking call with a short
@@ -396,7 +396,7 @@ def test_a_call_behind_queued_pieces_of_a_longer_call_fails_at_its_own_deadline(
                 handle.wait()
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_wait_with_a_timeout_keeps_it_while_another_thread_posts() -> None:
     """Another thread's post holds the queue of a call with pieces still to
     publish, waiting for late peers; ``wait(timeout=)`` on that call must
@@ -425,7 +425,7 @@ def test_wait_with_a_timeout_keeps_it_while_another_thread_posts() -> None:
         np.testing.assert_array_equal(y, np.full(4, total))
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_waiter_and_a_post_on_another_thread_do_not_wait_for_each_other() -> None:
     """A thread waits for a call whose last piece is still queued while
     another thread's post, waiting for a late peer, publishes that queue:
@@ -464,7 +464,7 @@ def test_a_waiter_and_a_post_on_another_thread_do_not_wait_for_each_other() -> N
         np.testing.assert_array_equal(y, np.full(y.size, total + SIZE))
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_second_waiter_with_a_timeout_beyond_a_lock_wait_is_served() -> None:
     """A timeout of 1e10 s is valid; a second thread waiting for the same
     call waits for the first one's lock until the deadline, which must not
@@ -484,7 +484,7 @@ def test_a_second_waiter_with_a_timeout_beyond_a_lock_wait_is_served() -> None:
         np.testing.assert_array_equal(x, np.full(4, SIZE * (SIZE + 1) / 2))
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_the_watchdog_logs_one_line_for_a_call_of_many_pieces(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-blocking call of DEPTH pieces whose peers are late: the progress
@@ -517,7 +517,7 @@ def test_nan_with_max_raises_on_every_rank_after_the_exchange(
     assert np.isnan(x[1]) and x[0] == 1.0
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
     with own_communicator(30, "a missing rank needs two ranks") as c:
         late = SIZE - 1
@@ -533,7 +533,7 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_it() -> None:
                 c.allreduce(np.ones(2))  # a timeout breaks it, as for messages
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_nonblocking_calls_whose_peer_never_comes_fail_at_their_deadline_unwaited(
         ) -> None:
     """The progress thread fails them at the deadline: ``done`` turns True
@@ -556,7 +556,7 @@ def test_nonblocking_calls_whose_peer_never_comes_fail_at_their_deadline_unwaite
                 assert late in info.value.ranks
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_polling_test_raises_the_timeout_of_a_peer_that_never_comes() -> None:
     with own_communicator(30, "a missing rank needs two ranks") as c:
         late = SIZE - 1
@@ -658,7 +658,7 @@ def test_close_cancel_interrupts_a_post_waiting_for_a_late_peer() -> None:
             assert c.statistics()["in_flight"] == 0
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_close_without_cancel_finishes_a_blocking_exchange_on_another_thread() -> None:
     """close() without cancel while a blocking call waits on another thread
     for late peers: the call is not cut short, it completes exactly."""
@@ -679,7 +679,7 @@ def test_close_without_cancel_finishes_a_blocking_exchange_on_another_thread() -
         np.testing.assert_array_equal(x, np.full(4, SIZE * (SIZE + 1) / 2))
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_close_without_cancel_ends_a_blocking_exchange_nobody_joins_at_its_deadline(
         ) -> None:
     """close() without cancel while a blocking call nobody joins waits on

@@ -20,7 +20,7 @@ from wagma_comm.dtypes import FLOAT32
 from wagma_comm.runtime.shared import SharedCall, splits
 from wagma_comm.transport.shm import DEPTH
 
-from conftest import own_communicator, posted, up_to_4_ranks
+from conftest import not_at_3_or_8_ranks, own_communicator, posted
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -144,7 +144,7 @@ def test_a_broadcast_that_differs_is_a_mismatch_on_its_readers(
     np.testing.assert_array_equal(x, np.full(2, SIZE * (SIZE + 1) / 2))
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_root_that_never_comes_is_a_timeout_naming_it() -> None:
     with own_communicator(30, "a missing root needs two ranks") as c:
         root = SIZE - 1
@@ -156,7 +156,7 @@ def test_a_root_that_never_comes_is_a_timeout_naming_it() -> None:
             assert "did not arrive (shared-memory exchange)" in str(info.value)
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_reader_that_never_comes_times_out_a_later_call_naming_it() -> None:
     """The root's calls finish without the missing reader until its row
     would be rewritten: DEPTH calls on, that call times out naming it (on
@@ -177,7 +177,7 @@ def test_a_reader_that_never_comes_times_out_a_later_call_naming_it() -> None:
 
 # -- Reductions through the exchange (tests/mpi/test_shared.py is the main file) --
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_call_failed_at_its_post_never_writes_its_buffer_later() -> None:
     """Rank 0's blocking call of more pieces than row sets fails inside its
     post (piece DEPTH waits for piece 0, whose peers are late); rank 0 then
@@ -227,7 +227,7 @@ def _stopped(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"T"
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_a_post_behind_a_piece_reduced_in_shares_names_the_rank_it_waits_for() -> None:
     """Rank 1 posts a call whose piece is reduced in shares and is stopped
     (SIGSTOP: alive, not scheduled) before the others post it, so it never

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import up_to_4_ranks
+from conftest import not_at_3_or_8_ranks
 
 import wagma_comm
 
@@ -104,7 +104,7 @@ def test_close_cancel_with_large_collectives_in_flight_everywhere() -> None:
         WORLD.Barrier()
 
 
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_close_without_cancel_is_bounded_by_the_deadline() -> None:
     """close() drains, but a collective that cannot complete still ends at its
     deadline (a named timeout), so close() returns: no rank stays blocked."""
@@ -303,7 +303,7 @@ def _handle_lines(stdout: str) -> dict[tuple[int, int], str]:
 
 
 @pytest.mark.parametrize("mode", ["complete", "stuck", "partial"])
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_interpreter_exit_with_collectives_outstanding(mode: str) -> None:
     """A job whose ranks exit with async collectives outstanding and no close():
     it ends promptly, every outstanding collective either completed with the
@@ -377,7 +377,7 @@ print(f"rank {c.rank}: exiting without close()", flush=True)
 
 
 @pytest.mark.parametrize("mode", ["blocking", "post"])
-@up_to_4_ranks
+@not_at_3_or_8_ranks
 def test_exit_cancels_a_shared_memory_call_blocking_a_daemon_thread(mode: str) -> None:
     """At exit, a daemon thread is blocked in a shared-memory allreduce
     nobody joins (deadline 40 s), or in the post of a non-blocking one that
