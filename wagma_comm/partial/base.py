@@ -572,10 +572,10 @@ class PartialCollective:
         now = time.monotonic()
         since = self._idle_since + self.timeout
         with self._lock:
-            waiting = [c for t, c in self._pending.items() if t > self._started]
-            late = [c for c in waiting if now > max(c.deadline, since)]
-        if waiting and not late and now >= self._liveness_due:
-            return self._check_activation_liveness(waiting[0], now)
+            unstarted = [c for t, c in self._pending.items() if t > self._started]
+            late = [c for c in unstarted if now > max(c.deadline, since)]
+        if unstarted and not late and now >= self._liveness_due:
+            return self._check_activation_liveness(unstarted[0], now)
         for call in late:
             waiting = self._waiting_for(call.iteration)
             self._break(CollectiveTimeoutError(

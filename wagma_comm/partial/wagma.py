@@ -79,6 +79,11 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
                  timeout: float | None = None, algorithm: str | None = None,
                  first_round: int = 0, grace: float = 0.0) -> None:
         check_options(comm.size, group_size, activation, normalization, grace)
+        # This rank's group at each step (they repeat every num_steps), made
+        # once: each round then hands the schedule caches the very tuple
+        # they compiled from, and builds nothing.
+        self._groups = tuple(groups_mod.group_of(comm.rank, comm.size, group_size, k)
+                             for k in range(groups_mod.num_steps(comm.size, group_size)))
         # Round r has round first_round + r's group (check_first_round).
         super().__init__(comm, buf, sync_every, timeout, algorithm, first_round)
         self.group_size = group_size
@@ -129,7 +134,7 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
     # -- who -----------------------------------------------------------------
     def _members(self, r: int) -> tuple[int, ...]:
         step = group_step(self.first_round + r, self.sync_every)
-        return tuple(groups_mod.group_of(self.rank, self.size, self.group_size, step))
+        return self._groups[step % len(self._groups)]
 
     def _token_scope(self, r: int) -> tuple[int, ...]:
         if self.activation == "group":
