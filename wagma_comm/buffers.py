@@ -184,6 +184,14 @@ def as_buffer(
     if ptr == 0:  # host_array() would silently read and write other memory
         raise BufferError(argument, f"DLPack export has a NULL data pointer for {count} "
                           "elements")
+    if not host and ptr % dtype.itemsize:
+        # Host buffers are checked where MPI needs it (comm._host_buffer); the
+        # training layer copies from unaligned host memory. On the GPU our
+        # kernels load whole elements: a misaligned one is a sticky CUDA error
+        # that ends the process's context, so refuse it before any launch.
+        raise BufferError(
+            argument, f"GPU buffer is not aligned to its element size ({dtype.itemsize} bytes "
+            f"for {dtype.name}; address {ptr:#x}); pass an aligned copy")
     device = "cpu" if host else "cuda"
     return Buffer(obj, view, ptr, count, dtype, shape, device, dev_id)
 

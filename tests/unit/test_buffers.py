@@ -199,8 +199,9 @@ class _Capsules:
     def __init__(self, base: np.ndarray, shape: tuple[int, ...], *,
                  strides: tuple[int, ...] | None = None, byte_offset: int = 0,
                  data: int | None = None, device: tuple[object, object] = (1, 0),
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, capsule_device: int = 1) -> None:
         self.base, self.shape, self.strides = base, shape, strides
+        self.capsule_device = capsule_device  # the DLDevice type inside the capsule
         self.byte_offset, self.readonly, self.device = byte_offset, readonly, device
         self.data = base.ctypes.data if data is None else data
         self._alive: list[object] = []  # the structs the capsules point into
@@ -213,7 +214,8 @@ class _Capsules:
         n = max(1, len(self.shape))
         shape = (ctypes.c_int64 * n)(*self.shape)
         strides = None if self.strides is None else (ctypes.c_int64 * n)(*self.strides)
-        t = _DLTensor(self.data, _DLDevice(1, int(self.device[1])), len(self.shape),
+        t = _DLTensor(self.data, _DLDevice(self.capsule_device, int(self.device[1])),
+                      len(self.shape),
                       _DLDataType(2, 32, 1), ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
                       None if strides is None
                       else ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)),
@@ -258,6 +260,23 @@ def test_broken_dlpack_exports_are_buffer_errors(kw: dict[str, Any], text: str) 
     BufferError naming the argument, with a message that says what is wrong."""
     shape = kw.pop("shape")
     _raises(_Capsules(np.arange(8, dtype=np.float32), shape, **kw), BufferError, text)
+
+
+def test_a_gpu_buffer_not_aligned_to_its_element_size_is_refused() -> None:
+    """A CUDA export (a CuPy array made at pointer+2 bytes, say) reached NCCL
+    and our kernels, whose misaligned loads are a sticky CUDA error. The
+    capsule says CUDA; cuda-core parses it without a GPU, and the check comes
+    before anything touches the memory."""
+    base = np.zeros(16, dtype=np.float32)
+
+    def cuda(offset: int) -> _Capsules:
+        return _Capsules(base, (4,), data=base.ctypes.data + offset, device=(2, 0),
+                         capsule_device=2)
+
+    assert as_buffer(cuda(4), "grads", gpu_available=True).device == "cuda"
+    with pytest.raises(BufferError, match="not aligned to its element size") as info:
+        as_buffer(cuda(2), "grads", gpu_available=True)
+    assert info.value.argument == "grads"
 
 
 @pytest.mark.parametrize("bad", [None, {"names": ["a", "b"], "formats": ["f4"]},

@@ -154,6 +154,9 @@ def test_bad_gpu_input_is_refused_locally(comm):
         comm.allreduce(t[:, 1])  # strided
     with pytest.raises(InvalidArgumentError, match="op"):
         comm.allreduce(t, "median")
+    misaligned = cp.ndarray((4,), dtype=cp.float32, memptr=cp.cuda.alloc(64) + 2)
+    with pytest.raises(BufferError, match="not aligned"):
+        comm.allreduce(misaligned)  # its kernels' loads would fault the context
     comm.allreduce(t)  # still exact afterwards
     assert torch.all(t == 0).item()
 
