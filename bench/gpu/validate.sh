@@ -19,7 +19,7 @@ for what in "${@:-tests}"; do
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels.py 2>&1 | tail -3
       for n in 1 2 4; do
         section "GPU MPI tests, $n ranks"
-        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        extra=""; [ "$n" -ge 2 ] && extra="NCCL_MAX_CTAS=8"
         env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
           > "$OUT/gpu-mpi-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-mpi-$n.log"
       done ;;
@@ -38,7 +38,7 @@ for what in "${@:-tests}"; do
     partial)
       for n in 1 2 4; do
         section "partial collectives on GPU buffers, $n ranks"
-        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        extra=""; [ "$n" -ge 2 ] && extra="NCCL_MAX_CTAS=8"
         env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
           -k partial > "$OUT/gpu-partial-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-partial-$n.log"
       done ;;
@@ -61,7 +61,7 @@ for what in "${@:-tests}"; do
     benchtests)
       for n in 2 4; do
         section "wagma bench --device cuda tests, $n ranks"
-        extra=""; [ "$n" = 4 ] && extra="NCCL_MAX_CTAS=8"
+        extra=""; [ "$n" -ge 2 ] && extra="NCCL_MAX_CTAS=8"
         env $extra WAGMA_TEST_DIR=tests/gpu/mpi timeout 300 "$MPIEXEC" -n $n python3 tests/mpi/run.py -q \
           -k bench > "$OUT/gpu-benchtests-$n.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/gpu-benchtests-$n.log"
       done ;;
