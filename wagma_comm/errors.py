@@ -11,8 +11,28 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 
+def _rebuild(cls: type, args: tuple) -> "WagmaError":
+    """An error made again from its ``args`` (its message) without calling
+    its ``__init__``, whose parameters are not its ``args``; pickle and copy
+    then restore its attributes (``argument``, ``ranks``, ...)."""
+    # The timeout errors are OSErrors too (TimeoutError): their instances
+    # are laid out by OSError's __new__, which the MRO would not pick.
+    new = OSError.__new__ if issubclass(cls, OSError) else Exception.__new__
+    error = new(cls)
+    error.args = args
+    return error
+
+
 class WagmaError(Exception):
-    """Base class of every error raised by wagma_comm."""
+    """Base class of every error raised by wagma_comm.
+
+    Every one pickles and copies with its message and attributes (mpi4py's
+    ``comm.gather(err)``, multiprocessing, ``copy.copy``): most subclasses'
+    ``__init__`` takes other arguments than the message their ``args`` hold,
+    so Python's default reconstruction, ``cls(*args)``, raised TypeError."""
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (type(self), self.args), self.__dict__)
 
 
 class InvalidArgumentError(WagmaError, ValueError):

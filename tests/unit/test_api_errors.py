@@ -1,0 +1,59 @@
+"""The public errors and handles as a caller's code treats them: errors
+pickled (mpi4py's ``comm.gather(err)``, multiprocessing) and copied."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+
+import wagma_comm
+from wagma_comm import errors
+from wagma_comm.train.specs import ParameterMismatchError
+
+ATTRIBUTES = ("argument", "collective", "round", "ranks", "detail", "details", "code",
+              "expected", "received", "index")
+
+SAMPLES = [
+    errors.InvalidArgumentError("op", "unknown op 'x'"),
+    errors.BufferError("buf", "buffer is read-only"),
+    errors.UnsupportedError("algorithm", "no native sum for float16"),
+    errors.CommunicatorClosedError("communicator is closed"),
+    errors.WaitTimeoutError("allreduce (round 3) still running after wait(1)"),
+    errors.CollectiveError("allreduce", 3, [2, 1], "failed"),
+    errors.CollectiveTimeoutError("group_allreduce", 4, [1], "deadline passed"),
+    errors.MismatchError("allreduce", 2, {1: "allreduce(count=5)"}, "allreduce(count=4)"),
+    errors.RankFailedError("broadcast", 7, [0], "rank 0 died"),
+    errors.TransportError("MPI_Isend failed", code=5),
+    errors.MessageSizeError("allreduce", 0, 1, 16, 20),
+    errors.MessageSizeError("allreduce", 0, 1, 16, None),
+    errors.ScheduleError("cycle"),
+    ParameterMismatchError("ranks disagree", 3, [2, 0]),
+]
+
+
+@pytest.mark.parametrize("error", SAMPLES, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("how", ["pickle", "copy", "deepcopy"])
+def test_every_error_pickles_and_copies_with_its_message_and_attributes(
+        error: Exception, how: str) -> None:
+    """Every subclass whose __init__ takes other arguments than its message
+    raised TypeError when unpickled or copied (Python rebuilds an exception
+    as cls(*args)): a rank gathering its peers' errors over mpi4py
+    (``comm.gather(err)``) crashed in its error report, with
+    "BufferError.__init__() missing 1 required positional argument"."""
+    again = {"pickle": lambda e: pickle.loads(pickle.dumps(e)), "copy": copy.copy,
+             "deepcopy": copy.deepcopy}[how](error)
+    assert type(again) is type(error)
+    assert str(again) == str(error) and again.args == error.args
+    for name in ATTRIBUTES:
+        assert getattr(again, name, None) == getattr(error, name, None), name
+    assert isinstance(again, wagma_comm.WagmaError)
+    with pytest.raises(type(error)):
+        raise again
+
+
+def test_a_timeout_error_stays_a_timeout_error_when_unpickled() -> None:
+    error = pickle.loads(pickle.dumps(errors.CollectiveTimeoutError("barrier", 1, [3], "late")))
+    assert isinstance(error, TimeoutError) and isinstance(error, errors.CollectiveError)
+    assert error.ranks == (3,) and "barrier (round 1)" in str(error)
