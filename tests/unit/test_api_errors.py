@@ -1,15 +1,18 @@
 """The public errors and handles as a caller's code treats them: errors
-pickled (mpi4py's ``comm.gather(err)``, multiprocessing) and copied."""
+pickled (mpi4py's ``comm.gather(err)``, multiprocessing) and copied, and
+``Handle.wait`` given any real number of seconds."""
 
 from __future__ import annotations
 
 import copy
 import pickle
+import time
 
 import pytest
 
 import wagma_comm
 from wagma_comm import errors
+from wagma_comm.runtime.handle import Handle
 from wagma_comm.train.specs import ParameterMismatchError
 
 ATTRIBUTES = ("argument", "collective", "round", "ranks", "detail", "details", "code",
@@ -57,3 +60,22 @@ def test_a_timeout_error_stays_a_timeout_error_when_unpickled() -> None:
     error = pickle.loads(pickle.dumps(errors.CollectiveTimeoutError("barrier", 1, [3], "late")))
     assert isinstance(error, TimeoutError) and isinstance(error, errors.CollectiveError)
     assert error.ranks == (3,) and "barrier (round 1)" in str(error)
+
+
+def _done_handle() -> Handle:
+    handle = Handle("allreduce", 0, time.monotonic() + 60.0, lambda: True)
+    handle._complete("result")
+    return handle
+
+
+def test_wait_takes_an_int_too_large_for_a_float_as_no_limit() -> None:
+    """wait(timeout=10**400) raised a bare OverflowError (math.isnan
+    converts to float) where 1e300 meant no limit of its own."""
+    assert _done_handle().wait(timeout=10**400) == "result"
+
+
+@pytest.mark.parametrize("bad", [-10**400, -1, float("nan")], ids=["-10**400", "-1", "nan"])
+def test_wait_refuses_a_negative_or_nan_timeout_by_name(bad: object) -> None:
+    with pytest.raises(wagma_comm.InvalidArgumentError, match="^timeout: ") as info:
+        _done_handle().wait(timeout=bad)
+    assert info.value.argument == "timeout"

@@ -108,7 +108,7 @@ class Handle:
         (when the engine turns a hang into CollectiveTimeoutError). With
         ``timeout`` it raises WaitTimeoutError after that many seconds, and the
         collective keeps running. A ``timeout`` beyond what a lock wait takes
-        (``threading.TIMEOUT_MAX``, infinity) is the same as none. Either way
+        (``threading.TIMEOUT_MAX``, infinity, ``10**400``) is the same as none. Either way
         a handle nobody will finish raises at once: CommunicatorClosedError
         once the progress engine stopped, CollectiveTimeoutError ``_GRACE_S``
         past the collective's deadline.
@@ -166,10 +166,16 @@ class Handle:
 def check_wait_timeout(timeout: Any) -> float | None:
     """``wait``'s timeout as seconds, or None for no limit of its own. Checked
     first: a string failed deep inside with a bare TypeError, NaN waited out
-    the collective's whole deadline and 1e300 overflowed the lock wait."""
+    the collective's whole deadline and 1e300 overflowed the lock wait. An
+    int past a float's range is judged by its sign (10**400 is no limit,
+    -10**400 refused; math.isnan raised a bare OverflowError for both)."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise InvalidArgumentError("timeout", f"expected seconds as a number or None, "
                                               f"got {timeout!r}")
-    if math.isnan(timeout) or timeout < 0:
+    try:
+        value = float(timeout)
+    except OverflowError:
+        value = math.inf if timeout > 0 else -math.inf
+    if math.isnan(value) or value < 0:
         raise InvalidArgumentError("timeout", f"must be >= 0 seconds or None, got {timeout!r}")
-    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
+    return None if value >= threading.TIMEOUT_MAX else value
