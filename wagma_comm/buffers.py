@@ -156,10 +156,7 @@ def as_buffer(
         ) from exc
     dtype = dtypes.from_numpy(view_dtype)
     if dtype is None:
-        raise BufferError(
-            argument,
-            f"unsupported dtype {view_dtype}; expected one of {sorted(dtypes.BY_NAME)}",
-        )
+        raise BufferError(argument, dtypes.unsupported(view_dtype))
     try:  # cuda-core checks the layout lazily: a negative extent raises here
         shape = tuple(int(s) for s in view.shape)
         strides = None if view.strides is None else tuple(int(s) for s in view.strides)
@@ -202,10 +199,7 @@ def _from_numpy(arr: np.ndarray, argument: str, writable: bool) -> Buffer:
     array directly. Also the cheapest path for the most common host buffer."""
     dtype = dtypes.from_array(arr)
     if dtype is None:
-        raise BufferError(
-            argument,
-            f"unsupported dtype {arr.dtype}; expected one of {sorted(dtypes.BY_NAME)}",
-        )
+        raise BufferError(argument, dtypes.unsupported(arr.dtype))
     if arr.size == 0:
         raise BufferError(argument, f"buffer is empty (shape {arr.shape}); nothing to reduce")
     flags = arr.flags

@@ -90,6 +90,23 @@ def from_array(arr: np.ndarray) -> DType | None:
     return _BY_NUMPY.get(arr.dtype)
 
 
+def unsupported(dtype: Any) -> str:
+    """Why a buffer of ``dtype`` is refused (a BufferError's text): its name
+    and the supported ones. A supported type in non-native byte order
+    (``'>f4'``) says so: its bytes are not the numbers the kernels and MPI
+    would read, and "unsupported dtype >f4; expected ... float32" read as a
+    contradiction."""
+    text = f"unsupported dtype {dtype}"
+    try:
+        native = np.dtype(dtype).newbyteorder("=")
+    except (TypeError, ValueError):
+        native = None
+    if native is not None and native != dtype and from_numpy(native) is not None:
+        text += (f" ({native.name} in non-native byte order, which would be reduced as "
+                 "other numbers; pass x.astype(x.dtype.newbyteorder('=')))")
+    return f"{text}; expected one of {sorted(BY_NAME)}"
+
+
 def lookup(name: str | DType, argument: str = "dtype") -> DType:
     """Resolve a dtype given by name (``"bfloat16"``) or row; typed error otherwise."""
     if isinstance(name, DType):

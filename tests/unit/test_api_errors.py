@@ -1,6 +1,7 @@
 """The public errors and handles as a caller's code treats them: errors
-pickled (mpi4py's ``comm.gather(err)``, multiprocessing) and copied, and
-``Handle.wait`` given any real number of seconds."""
+pickled (mpi4py's ``comm.gather(err)``, multiprocessing) and copied,
+``Handle.wait`` given any real number of seconds, and a buffer's refusal
+saying what is wrong with it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import copy
 import pickle
 import time
 
+import numpy as np
 import pytest
 
 import wagma_comm
-from wagma_comm import errors
+from wagma_comm import dtypes, errors
+from wagma_comm.buffers import as_buffer
 from wagma_comm.runtime.handle import Handle
+from wagma_comm.train.bucket import host_view
 from wagma_comm.train.specs import ParameterMismatchError
 
 ATTRIBUTES = ("argument", "collective", "round", "ranks", "detail", "details", "code",
@@ -79,3 +83,31 @@ def test_wait_refuses_a_negative_or_nan_timeout_by_name(bad: object) -> None:
     with pytest.raises(wagma_comm.InvalidArgumentError, match="^timeout: ") as info:
         _done_handle().wait(timeout=bad)
     assert info.value.argument == "timeout"
+
+
+class _Sub(np.ndarray):
+    pass
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">f8", ">i4", ">i8", ">f2"])
+@pytest.mark.parametrize("shape", [(3,), (), (2, 2)])
+def test_a_supported_type_in_non_native_byte_order_is_refused_saying_so(
+        dtype: str, shape: tuple[int, ...]) -> None:
+    """A big-endian float32 array is refused (its bytes are no float32
+    numbers the kernels or MPI could reduce), but the message read
+    "unsupported dtype >f4; expected one of [..., 'float32', ...]"."""
+    arr = np.zeros(shape, dtype=dtype)
+    native = arr.dtype.newbyteorder("=").name
+    for obj in (arr, arr.view(_Sub)):  # an ndarray subclass takes the same intake
+        with pytest.raises(wagma_comm.BufferError,
+                           match=f"{native} in non-native byte order") as info:
+            as_buffer(obj, "grads")
+        assert info.value.argument == "grads" and "astype" in str(info.value)
+    with pytest.raises(wagma_comm.BufferError, match="non-native byte order"):
+        host_view(arr, "params[0]", writable=True)
+
+
+def test_other_unsupported_types_do_not_mention_byte_order() -> None:
+    for dtype in ("<f4", "i1", ">c8", "|u1"):
+        text = dtypes.unsupported(np.dtype(dtype))
+        assert text.startswith("unsupported dtype") and "byte order" not in text, dtype

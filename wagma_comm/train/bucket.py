@@ -169,8 +169,7 @@ def _empty_view(obj: Any, argument: str) -> np.ndarray:
                               f"{sorted(dtypes.BY_NAME)}") from exc
         row = dtypes.from_numpy(shown)
     if row is None:
-        raise BufferError(argument, f"unsupported dtype {shown}; expected one of "
-                          f"{sorted(dtypes.BY_NAME)}")
+        raise BufferError(argument, dtypes.unsupported(shown))
     return np.zeros(0, dtype=row.numpy)
 
 
