@@ -39,7 +39,9 @@ class InvalidArgumentError(WagmaError, ValueError):
     """An argument has the wrong value (unknown op, group size out of range, ...).
 
     Raised on the calling rank before any communication; the communicator stays
-    usable. ``argument`` names the offending parameter.
+    usable. ``argument`` names the offending parameter. One exception: NaN
+    in a float ``max``/``min`` is found in the result, after the collective
+    completed, and raised (``argument`` "buf") on every member alike.
     """
 
     def __init__(self, argument: str, message: str) -> None:
@@ -120,8 +122,12 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class MismatchError(CollectiveError):
     """Ranks called different collectives, or the same one with different sizes,
-    dtypes or ops (detected when ``WAGMA_DEBUG=1``). ``ranks`` are the ranks whose
-    call differs from this rank's; ``details`` maps each to its call."""
+    dtypes or ops: detected on the message path when ``WAGMA_DEBUG=1``, by the
+    shared-memory exchange always, and when ranks create a persistent
+    collective with different arguments. ``ranks`` are the ranks whose call
+    differs from this rank's; ``details`` maps each to its call. The
+    communicator stays usable (a persistent collective that finds one in its
+    final calls is broken)."""
 
     def __init__(
         self,
