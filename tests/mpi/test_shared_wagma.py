@@ -24,8 +24,8 @@ from wagma_comm import Communicator, RoundInfo
 from wagma_comm.partial.shared_wagma import MODEL_MAX_BYTES
 
 from conftest import (message_path, mismatched_creations_are_refused,
-                      mismatched_final_calls_are_named, step_into_a_missing_sync_round,
-                      up_to_4_ranks, wagma_rounds_follow)
+                      mismatched_final_calls_are_named, not_at_3_or_8_ranks,
+                      step_into_a_missing_sync_round, up_to_4_ranks, wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -590,6 +590,76 @@ def test_grace_is_bounded_and_skips_a_member_two_rounds_behind(comm: Communicato
     fast.Free()
 
 
+def _wait_for(request: Any) -> Any:
+    """An MPI request's outcome, napping (a spinning wait takes a core)."""
+    while True:
+        done, value = request.test()
+        if done:
+            return value
+        time.sleep(0.001)
+
+
+def _grace_waits(w: Any, computes: list[float]) -> list[float]:
+    """Rounds 1, 2, ... after ``computes[t - 1]`` s of compute on the fast
+    ranks, with the slow rank one round behind at each: it steps round
+    ``t - 1`` only once the fast ranks finished it, then waits for their
+    round ``t``. Every rank steps round 0 first. Returns the seconds each
+    round's grace waited here (fast ranks; [] on the slow one)."""
+    fast = WORLD.Split(int(RANK == SLOW), RANK)
+    w.step(np.zeros(4))  # round 0, everyone: starts the compute clock
+    waits = []
+    for t, compute in enumerate(computes, 1):
+        if RANK != SLOW:
+            time.sleep(compute)
+            before = w.statistics()["grace_wait_time_s"]
+            w.step(np.full(4, float(t)))
+            waits.append(w.statistics()["grace_wait_time_s"] - before)
+            if RANK == 0:  # the slow rank steps round t now, late
+                WORLD.send(t, dest=SLOW)
+                _wait_for(WORLD.irecv(source=SLOW))
+            _wait_for(fast.Ibarrier())
+        else:
+            _wait_for(WORLD.irecv(source=0))
+            assert w.step(np.zeros(4)).staleness == 1
+            WORLD.send(t, dest=0)
+    _wait_for(WORLD.Ibarrier())
+    fast.Free()
+    return waits
+
+
+@needs_peers
+@not_at_3_or_8_ranks
+def test_one_long_pause_does_not_lengthen_later_rounds_grace(comm: Communicator) -> None:
+    """The fast ranks compute 30 ms per step, pause 1.6 s once (a
+    checkpoint) and go on at 30 ms. The grace scales with the median of
+    the last compute times, so the rounds after the pause still wait about
+    30 ms for the slow rank. Until session 48 it scaled with a moving
+    average that the pause raised to about 0.23 s, then 0.2 s: seven times
+    this rank's compute, for rounds after it."""
+    w = _wagma(comm, np.zeros(4), SIZE, sync_every=1000, grace=1.0)
+    waits = _grace_waits(w, [0.03, 0.03, 0.03, 1.6, 0.03, 0.03])
+    if RANK != SLOW:
+        assert all(wait < 0.12 for wait in waits[3:]), waits
+    w.close()
+
+
+@needs_peers
+@not_at_3_or_8_ranks
+def test_the_grace_never_waits_past_half_the_timeout(comm: Communicator) -> None:
+    """A compute time (1.2 s) over half the collective's timeout (2 s): the
+    grace waits 1 s, so the step's lock waits keep the rest and the step
+    ends within its timeout. Until session 48 it waited the whole 1.2 s
+    (a longer compute, any time past the timeout)."""
+    timeout = 2.0
+    w = _wagma(comm, np.zeros(4), SIZE, sync_every=1000, grace=1.0, timeout=timeout)
+    waits = _grace_waits(w, [1.2])
+    if RANK != SLOW:
+        assert waits[0] <= timeout / 2 + 0.05, waits
+    waited = WORLD.allreduce(max(waits, default=0.0), MPI.MAX)
+    assert waited >= 0.8 * timeout / 2, waited  # the grace did run, to its cap
+    w.close()
+
+
 @needs_peers
 @pytest.mark.parametrize("first_round", [0, 3, 8])
 def test_round_r_is_round_first_round_plus_r(comm: Communicator, first_round: int) -> None:
@@ -745,6 +815,43 @@ def test_explicit_shared_memory_is_refused_where_it_cannot_run() -> None:
         assert w.statistics()["path"] == "messages"
         w.close()
         c.close()
+
+
+@needs_peers
+def test_a_refusal_on_one_rank_is_told_to_every_rank(comm: Communicator,
+                                                     monkeypatch: Any) -> None:
+    """Rank 0 alone cannot run the board: its model is over the limit, or
+    its C library has no robust mutexes. Every rank must hear of it at
+    creation: a MismatchError naming rank 0 for the model (the others'
+    count differs), an UnsupportedError for the locks (the others naming
+    rank 0), and with ``algorithm=None`` every rank takes the message path.
+    Until session 48 rank 0 raised UnsupportedError before the creation
+    agreement and the others timed out in it (5 s here), and with
+    ``algorithm=None`` rank 0 took the message path alone and every rank
+    timed out."""
+    from wagma_comm.transport import shm_lock
+
+    timeout = 5.0
+    big = np.zeros(MODEL_MAX_BYTES // 8 + 1) if RANK == 0 else np.zeros(4)
+    started = time.monotonic()
+    with pytest.raises(wagma_comm.MismatchError) as mismatch:
+        comm.wait_avoiding_group_allreduce(big, SIZE, 4, timeout=timeout, algorithm=SHARED)
+    assert sorted(mismatch.value.ranks) == ([0] if RANK else list(range(1, SIZE)))
+    assert f"count={big.size}" in str(mismatch.value)
+    if RANK == 0:
+        monkeypatch.setattr(shm_lock, "UNAVAILABLE", "no robust mutexes in this C library")
+    with pytest.raises(wagma_comm.UnsupportedError) as refused:
+        comm.wait_avoiding_group_allreduce(np.zeros(4), SIZE, 4, timeout=timeout,
+                                           algorithm=SHARED)
+    assert time.monotonic() - started < timeout / 2
+    assert str(refused.value) == ("algorithm: shared_memory: " + (
+        "no robust mutexes in this C library" if RANK == 0
+        else "rank(s) [0] could not create, map or use the board")), refused.value
+    w = comm.wait_avoiding_group_allreduce(np.zeros(4), SIZE, 4, timeout=timeout)
+    assert w.statistics()["path"] == "messages"
+    info = w.step(np.full(4, float(RANK)))
+    assert info.round == 0 and info.group == tuple(range(SIZE)), info
+    w.close()
 
 
 def _step_then_cancel(c: Any, w: Any, model: np.ndarray) -> tuple[Any, float]:
@@ -1001,6 +1108,42 @@ def test_a_sync_round_on_a_broken_communicator_breaks_the_collective() -> None:
         assert w.statistics()["broken"] is not None
         with pytest.raises(wagma_comm.CommunicatorClosedError, match="broken"):
             w.step(np.zeros(4))  # round 2 would be a group round on the board
+        assert w.statistics()["rounds"] == 1
+    WORLD.Barrier()
+    c.close(cancel=True)
+    w.close()  # broken, or its communicator closed: released locally
+
+
+@needs_peers
+@not_at_3_or_8_ranks
+def test_a_group_round_on_a_broken_communicator_raises_at_once() -> None:
+    """Rank 0's communicator is broken (an allreduce its peers never join
+    timed out). Its next steps are group rounds, which need nothing from
+    the communicator, but they must fail at once naming the collective and
+    the round, and break the collective, as a sync round does. Until
+    session 48 they went on averaging on the board until the next sync
+    round (round 999 here)."""
+    c = wagma_comm.init(timeout=30)
+    w = _wagma(c, np.zeros(4), SIZE, sync_every=1000, timeout=5.0)
+    w.step(np.zeros(4))  # round 0: a group round
+    WORLD.Barrier()
+    if RANK == 0:
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as broke:
+            c.allreduce(np.ones(2), timeout=0.5)  # nobody else calls it
+        started = time.monotonic()
+        with pytest.raises(wagma_comm.CommunicatorClosedError) as info:
+            w.step(np.full(4, 7.0))  # round 1: a group round
+        assert time.monotonic() - started < 1.0
+        assert str(info.value).startswith(
+            f"{w.kind} (round 1): communicator is broken: {broke.value}"), info.value
+        stats = w.statistics()
+        assert stats["broken"] == str(info.value) and stats["rounds"] == 1, stats
+        for call in (w.step, w.publish):
+            with pytest.raises(wagma_comm.CommunicatorClosedError,
+                               match=r"\(round 1\) is broken: .*communicator is broken"):
+                call(np.full(4, 7.0))
+        with pytest.raises(wagma_comm.CommunicatorClosedError, match=r"\(flush\(\)\) is broken"):
+            w.flush()
         assert w.statistics()["rounds"] == 1
     WORLD.Barrier()
     c.close(cancel=True)

@@ -36,6 +36,7 @@ unless said:
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Any, Callable
@@ -72,8 +73,15 @@ LIVENESS_PERIOD_S = 0.25
 """How often a round with stale members asks whether they are alive."""
 GRACE_POLL_S = 100e-6
 """How often a member in its grace period looks at its peers' published rounds."""
-COMPUTE_SMOOTHING = 0.125
-"""Weight of the newest compute time in its moving average (as TCP's RTT)."""
+COMPUTE_WINDOW = 8
+"""The grace scales with the median of this rank's last COMPUTE_WINDOW
+compute times: one long pause (a checkpoint, an evaluation) is not a
+typical compute time. Until session 48 it was a moving average (weight 1/8
+for the newest), which one 3 s pause at 20 ms per step raised to 0.4 s,
+a grace 20 times too long for the next rounds."""
+GRACE_MAX_SHARE = 0.5
+"""The grace never waits more than this share of the collective's timeout,
+so that the step's lock waits keep the rest and the step ends within it."""
 MODEL_MAX_BYTES = 16 << 20
 """Largest model (bytes per rank) on the board. The member that computes a
 round holds its group's locks while it sums their models, so a peer that
@@ -198,7 +206,8 @@ class SharedWaitAvoidingGroupAllreduce:
         self._liveness_checked = 0.0
         self._arrivals = 0  # blocking rounds entered here (the board's ARRIVED word)
         self._left_step: float | None = None  # when the last step() returned
-        self._compute_s: float | None = None  # moving average of the time between steps
+        # The last COMPUTE_WINDOW times between steps (this rank's compute).
+        self._computes: collections.deque[float] = collections.deque(maxlen=COMPUTE_WINDOW)
 
     def _open(self) -> None:
         """(Communicator._create) The board was agreed on in :func:`create`."""
@@ -211,7 +220,7 @@ class SharedWaitAvoidingGroupAllreduce:
         check_ready(ready)
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._settle_sync_round()
-        self._check_usable()
+        self._check_usable(f"round {self._app_round}")
         self._publish(data, self._app_round)
 
     def step(self, buf: Any, *, async_op: bool = False) -> Any:
@@ -220,7 +229,7 @@ class SharedWaitAvoidingGroupAllreduce:
         ``wait()`` returns it)."""
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._settle_sync_round()
-        self._check_usable()
+        self._check_usable(f"round {self._app_round}")
         t = self._app_round
         self._app_round += 1
         started = time.monotonic()
@@ -250,7 +259,7 @@ class SharedWaitAvoidingGroupAllreduce:
         data = None if buf is None else check_step_buffer(
             self.kind, self.count, self.dtype, buf)[0]
         self._settle_sync_round()
-        self._check_usable()
+        self._check_usable("flush()")
         self._agree("flush", FLUSH if data is None else FLUSH_ROUND)
         self.telemetry.flushes += 1
         if data is None:
@@ -305,8 +314,9 @@ class SharedWaitAvoidingGroupAllreduce:
     def _group_round(self, t: int, data: np.ndarray, started: float) -> RoundInfo:
         members = self._members(t)
         me, words = self.rank, self._board.words
-        waited = self._await_one_behind(t, members, data)
-        held = self._hold_all(members, t)
+        deadline = started + self.timeout  # the grace and the lock waits, together
+        waited = self._await_one_behind(t, members, data, started)
+        held = self._hold_all(members, t, deadline)
         try:
             if waited is None:  # else published before the wait
                 self._write_published(data, t)
@@ -349,18 +359,24 @@ class SharedWaitAvoidingGroupAllreduce:
                          staleness=staleness, synchronized=False, iteration=t)
 
     def _measure_compute(self, now: float) -> None:
-        """Fold the time since the last step() returned (this rank's own
-        compute) into its moving average, which scales the grace."""
-        if self._left_step is None:
-            return
-        gap = now - self._left_step
-        self._compute_s = (gap if self._compute_s is None
-                           else self._compute_s + COMPUTE_SMOOTHING * (gap - self._compute_s))
+        """Keep the time since the last step() returned (this rank's own
+        compute) among the last COMPUTE_WINDOW, whose median scales the grace."""
+        if self._left_step is not None:
+            self._computes.append(now - self._left_step)
+
+    def _compute_s(self) -> float | None:
+        """This rank's typical compute time: the lower median of the last
+        COMPUTE_WINDOW (one pause among them, even among two, changes
+        nothing); None before the second step."""
+        computes = sorted(self._computes)
+        return computes[(len(computes) - 1) // 2] if computes else None
 
     def _await_one_behind(self, t: int, members: tuple[int, ...],
-                          data: np.ndarray) -> float | None:
+                          data: np.ndarray, started: float) -> float | None:
         """The grace (opt-in): before running round ``t``, wait at most
-        ``grace`` times this rank's mean compute time for the members whose
+        ``grace`` times this rank's typical compute time (never past
+        GRACE_MAX_SHARE of the timeout after the step's call at
+        ``started``) for the members whose
         published model is of round ``t - 1``, so that a peer a moment
         behind is counted fresh instead of averaged in with last round's
         model. On messages a round's own latency gives peers that moment; on
@@ -374,13 +390,14 @@ class SharedWaitAvoidingGroupAllreduce:
         def worth_waiting() -> bool:  # unlocked reads: hints only, the round re-reads
             return words[me][RESULT] < t and any(w[PUBLISHED] == t - 1 for w in peers)
 
-        if not self.grace or self._compute_s is None or not worth_waiting():
+        compute = self._compute_s() if self.grace else None
+        if compute is None or not worth_waiting():
             return None
         # This rank's model first: a peer in its own grace then sees it
         # arrived, instead of both waiting for each other.
         self._publish(data, t)
         start = now = time.monotonic()
-        deadline = start + self.grace * self._compute_s
+        deadline = min(start + self.grace * compute, started + GRACE_MAX_SHARE * self.timeout)
         while now < deadline and worth_waiting():
             time.sleep(min(GRACE_POLL_S, deadline - now))
             self._check_cancel(t)
@@ -471,9 +488,9 @@ class SharedWaitAvoidingGroupAllreduce:
         combine(out)
 
     # -- locks ----------------------------------------------------------------------
-    def _hold_all(self, members: tuple[int, ...], t: int) -> list[int]:
-        """Every member's lock, in rank order (no two ranks deadlock)."""
-        deadline = time.monotonic() + self.timeout
+    def _hold_all(self, members: tuple[int, ...], t: int, deadline: float) -> list[int]:
+        """Every member's lock, in rank order (no two ranks deadlock), by
+        the step's ``deadline``."""
         held: list[int] = []
         try:
             for m in sorted(members):
@@ -681,24 +698,34 @@ class SharedWaitAvoidingGroupAllreduce:
         if self._board.closed:
             raise CommunicatorClosedError(f"{self.kind} is closed")
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, what: str) -> None:
+        """Raise, naming ``what`` (the round or call), unless this
+        collective and its communicator are usable. A broken communicator
+        breaks the collective: a group round needs nothing from it, but
+        until session 48 such rounds went on averaging (with peers that
+        may be failing) until the next sync round's allreduce was refused."""
         if self._closed:
             raise CommunicatorClosedError(f"{self.kind} is closed")
         if self._error is not None:
-            raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
+            raise CommunicatorClosedError(f"{self.kind} ({what}) is broken: {self._error}")
         if self._comm.closed:
-            raise CommunicatorClosedError(f"{self.kind}: its communicator is closed")
+            raise CommunicatorClosedError(f"{self.kind} ({what}): its communicator is closed")
+        broken = self._comm._engine.broken
+        if broken is not None:
+            raise self._break(CommunicatorClosedError(
+                f"{self.kind} ({what}): communicator is broken: {broken}"))
 
 
 # -- choosing the path (collective) ---------------------------------------------------
 def unavailable_reason(comm: Any, nbytes: int) -> str | None:
-    """Why a board cannot serve this collective; the same answer on every
-    rank (the communicator's segment is agreed at init)."""
+    """Why a board cannot serve this collective, of what every rank can
+    tell alike once the creation agreement passed (the communicator's
+    segment is agreed at init, ``nbytes`` by the agreement). What only this
+    process can tell (its C library's locks) is :func:`open_board`'s
+    ``refused``, told to the others there."""
     if comm.shared_memory_bytes == 0:
         reason = comm._transport.shared_unavailable or "no shared-memory segment"
         return f"the communicator has no shared-memory segment ({reason})"
-    if shm_lock.UNAVAILABLE:
-        return shm_lock.UNAVAILABLE
     if nbytes > MODEL_MAX_BYTES:
         return f"{nbytes} bytes is over the board's {MODEL_MAX_BYTES} bytes per rank"
     return None
@@ -710,30 +737,43 @@ def result_bytes(count: int, dtype: Any) -> int:
     return count * (4 if dtype.is_half else dtype.itemsize)
 
 
-def open_board(comm: Any, ident: int, initial: np.ndarray, nbytes: int,
-               timeout: float) -> tuple[Board | None, str | None]:
+def _unable(comm: Any, able: bool, timeout: float) -> list[int]:
+    """Collective: the ranks whose ``able`` is False (a flag each, gathered
+    by a sum), the same list on every rank."""
+    flags = np.zeros(comm.size, dtype=np.int64)
+    flags[comm.rank] = not able
+    comm.allreduce(flags, "sum", timeout=timeout)
+    return [int(r) for r in np.flatnonzero(flags)]
+
+
+def open_board(comm: Any, ident: int, initial: np.ndarray, nbytes: int, timeout: float,
+               refused: str | None = None) -> tuple[Board | None, str | None]:
     """Collective: rank 0 creates the board (``nbytes`` per model slot), the
     others map it, every rank puts ``initial`` in its published slot; a
-    board only if all could."""
+    board only if all could. ``refused``: why this rank alone cannot use
+    one (shm_lock.UNAVAILABLE), said in the first exchange, so that every
+    rank learns it at once and the others name this rank. Returns the
+    board, or None and why: this rank's own reason, else the ranks that
+    could not."""
     path = f"{comm._shared.segment.path}-p{ident}"
-    board, reason = None, None
-    if comm.rank == 0:
+    board, reason = None, refused
+    if comm.rank == 0 and refused is None:
         try:
             board = Board.create(path, comm.size, nbytes)
         except OSError as exc:
             reason = f"rank 0 could not create {path}: {exc}"
     try:
-        created = np.array([board is not None or comm.rank != 0], dtype=np.int64)
-        comm.allreduce(created, "min", timeout=timeout)
-        if created[0] and comm.rank != 0:
-            try:
-                board = Board.attach(path, comm.size, nbytes)
-            except OSError as exc:
-                reason = f"rank {comm.rank} could not map {path}: {exc}"
-        if board is not None:
-            board.published[comm.rank][:initial.nbytes] = initial.reshape(-1).view(np.uint8)
-        mapped = np.array([board is not None], dtype=np.int64)
-        comm.allreduce(mapped, "min", timeout=timeout)
+        unable = _unable(comm, reason is None, timeout)
+        if not unable:  # the same on every rank
+            if comm.rank != 0:
+                try:
+                    board = Board.attach(path, comm.size, nbytes)
+                except OSError as exc:
+                    reason = f"rank {comm.rank} could not map {path}: {exc}"
+            if board is not None:
+                board.published[comm.rank][:initial.nbytes] = \
+                    initial.reshape(-1).view(np.uint8)
+            unable = _unable(comm, board is not None, timeout)
     except BaseException:
         # An agreement that failed (a rank dead or missing) must not leave
         # the board's file in /dev/shm: nothing would ever unlink it.
@@ -744,11 +784,11 @@ def open_board(comm: Any, ident: int, initial: np.ndarray, nbytes: int,
         raise
     if board is not None and comm.rank == 0:
         board.unlink()
-    if mapped[0]:
+    if not unable:
         return board, None
     if board is not None:
         board.close()
-    return None, reason or "a rank could not create or map the board"
+    return None, reason or f"rank(s) {unable} could not create, map or use the board"
 
 
 def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
@@ -767,19 +807,22 @@ def create(comm: Any, buf: Any, group_size: int, sync_every: int, *,
         usable = [a for a in algorithms.ALLREDUCE_ALGORITHMS if a != "native"]
         raise InvalidArgumentError(
             "algorithm", f"expected {SHARED_MEMORY!r} or one of {usable}, got {algorithm!r}")
-    reason = unavailable_reason(comm, buffer.nbytes)
-    if algorithm == SHARED_MEMORY and reason is not None:
-        raise UnsupportedError("algorithm", f"shared_memory: {reason}")
     agree(comm, WaitAvoidingGroupAllreduce.kind, buffer.count, buffer.dtype, timeout,
           group_size=group_size, sync_every=sync_every, first_round=first_round,
           activation=activation, normalization=normalization, algorithm=algorithm)
     if algorithm == SHARED_MEMORY or algorithm is None:
+        # Only now, and alike on every rank: a refusal before the agreement
+        # (a rank whose model alone is over the limit, or whose C library
+        # alone lacks the locks) left the others to time out in it; with
+        # algorithm=None such a rank took the message path alone.
+        reason = unavailable_reason(comm, buffer.nbytes)
         if reason is None:
             data = buffer.host_array()
             deadline = comm._call_timeout(timeout)
             ident = comm._register_partial()
             board, reason = open_board(comm, ident, data,
-                                       result_bytes(buffer.count, buffer.dtype), deadline)
+                                       result_bytes(buffer.count, buffer.dtype), deadline,
+                                       refused=shm_lock.UNAVAILABLE)
             if board is not None:
                 return comm._create(SharedWaitAvoidingGroupAllreduce(
                     comm, buf, board, ident, group_size, sync_every, activation=activation,
