@@ -22,7 +22,8 @@ from wagma_comm import Communicator, RoundInfo
 from wagma_comm.runtime import activation
 
 from conftest import (mismatched_creations_are_refused, mismatched_final_calls_are_named,
-                      step_into_a_missing_sync_round, wagma_rounds_follow)
+                      not_at_3_or_8_ranks, step_into_a_missing_sync_round, up_to_4_ranks,
+                      wagma_rounds_follow)
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -238,6 +239,45 @@ def test_wagma_activation_routes_reach_every_member(comm: Communicator, scope: s
         _wait_completed(w, steps - 1)  # else the first step may get the round before
         for t in range(steps):
             assert w.step(np.zeros(3)).staleness == steps - t
+    w.flush()
+    w.close()
+
+
+@up_to_4_ranks
+def test_wagma_group_activation_starts_no_other_groups_round(comm: Communicator) -> None:
+    """activation="group": only a member of a group starts that group's round
+    (ALGORITHMS.md s. 3). Rank 0 steps round 0 alone; a rank outside its
+    group must not see round 0 started (nor get a token) until its own group
+    arrives, and then a member of its own group activated it. (With
+    "global", rank 0's tokens start every group's round:
+    test_a_late_wagma_step_counts_its_staleness_to_the_round_it_gets.)
+    Before this test, "group" behaving as "global" passed every test."""
+    if SIZE < 3:
+        pytest.skip("needs a rank outside rank 0's group of two")
+    w = comm.wait_avoiding_group_allreduce(np.zeros(2), 2, sync_every=2, activation="group",
+                                           normalization="mean")
+    mine = tuple(comm.group_of(2, 0))
+    outsider = 0 not in mine
+    if RANK == 0:
+        info = w.step(np.ones(2))
+        assert info.activator == 0 and info.round == 0 and info.staleness == 0, info
+    WORLD.Barrier()
+    if outsider:  # a token from rank 0 would have started it by now (~1 ms)
+        until = time.monotonic() + 0.3
+        while time.monotonic() < until:
+            assert w.statistics()["started_round"] == -1, w.statistics()
+            time.sleep(0.01)
+        assert w.statistics()["tokens_received"] == 0
+    WORLD.Barrier()
+    if RANK != 0:
+        info = w.step(np.ones(2))
+        if outsider:  # its partner may have been first: then this step is late
+            assert info.round == 0 and info.activator in mine, info
+            if info.activator == RANK:
+                assert info.staleness == 0 and RANK in info.fresh, info
+    model = np.full(2, float(RANK))
+    assert w.step(model).synchronized
+    assert np.all(model == sum(range(SIZE)) / SIZE)
     w.flush()
     w.close()
 
@@ -493,6 +533,51 @@ def test_slow_rank_gradients_land_in_later_rounds(comm: Communicator) -> None:
     got += final
     assert np.all(got == (SIZE - 1) * steps + 1000 * steps)
     assert np.all(final >= 1000 * steps)  # the slow rank's inputs arrive in the flush
+    c.close()
+
+
+@not_at_3_or_8_ranks
+@pytest.mark.parametrize("kind", ["solo", "majority"])
+def test_avg_divides_by_every_rank_not_by_the_fresh_ones(comm: Communicator,
+                                                         kind: str) -> None:
+    """op="avg" is the round's sum divided by P (ALGORITHMS.md s. 4), also
+    in a round the slow rank missed: it contributes zero then, and still
+    counts in the divisor (dividing by the fresh ranks would scale the fast
+    ranks' gradients up by P/(P-1)). Its inputs arrive in the flush, also
+    divided by P, so the results times P sum to every input, and every rank
+    got the same result for each round. Before this test only synchronous
+    rounds, everyone fresh, checked the divisor."""
+    if SIZE == 1:
+        pytest.skip("needs a slow and a fast rank")
+    steps = 3
+    # majority: a seed whose rounds are all activated by a fast rank
+    seed = next(s for s in range(1000)
+                if all(activation.majority_activator(s, t, SIZE) != SLOW for t in range(steps)))
+    make = (comm.solo_allreduce if kind == "solo"
+            else lambda *a, **k: comm.majority_allreduce(*a, seed=seed, **k))
+    c = make(np.zeros(2), sync_every=steps + 5, op="avg")
+    results = []
+    if RANK != SLOW:
+        for _ in range(steps):
+            g = np.ones(2)
+            info = c.step(g)
+            assert SLOW not in info.fresh and not info.synchronized, info
+            results.append(float(g[0]))
+    WORLD.Barrier()
+    if RANK == SLOW:
+        for t in range(steps):
+            g = np.full(2, 1000.0)
+            info = c.step(g)
+            assert info.round == t and SLOW not in info.fresh, info
+            results.append(float(g[0]))
+    assert all(r == results for r in _gather(results))  # the same rounds everywhere
+    if SIZE == 2:  # one fast rank: it was fresh in each round
+        assert results == [0.5] * steps, results
+    final = np.zeros(2)
+    c.flush(final)
+    assert np.allclose(final, 1000.0 * steps / SIZE, rtol=1e-15, atol=0), final
+    total = (sum(results) + final[0]) * SIZE
+    assert np.isclose(total, (SIZE - 1) * steps + 1000.0 * steps, rtol=1e-14, atol=0), total
     c.close()
 
 
@@ -1039,6 +1124,82 @@ def test_close_fails_at_once_when_the_engine_breaks_while_it_drains_tokens() -> 
         assert not closer.is_alive() and "error" not in outcome, outcome
     c.close()
     WORLD.Barrier()
+
+
+# -- a broken communicator ----------------------------------------------------------
+def _broken_partial(kind: str, c: Communicator) -> Any:
+    """A collective whose round 0 rank SIZE - 1 activated (majority: a seed
+    where it is round 0's activator) and nobody else stepped into."""
+    last = SIZE - 1
+    if kind == "wagma":
+        return c.wait_avoiding_group_allreduce(np.zeros(2), SIZE, sync_every=1000,
+                                               normalization="mean", timeout=5.0)
+    if kind == "solo":
+        return c.solo_allreduce(np.zeros(2), sync_every=1000, op="sum", timeout=5.0)
+    seed = next(s for s in range(1000) if activation.majority_activator(s, 0, SIZE) == last)
+    return c.majority_allreduce(np.zeros(2), sync_every=1000, seed=seed, op="sum",
+                                timeout=5.0)
+
+
+@not_at_3_or_8_ranks
+@pytest.mark.parametrize("kind, first", [("wagma", "step"), ("wagma", "publish"),
+                                         ("solo", "flush"), ("majority", "step")])
+def test_a_call_on_a_broken_communicator_raises_at_once_and_runs_no_round(
+        kind: str, first: str) -> None:
+    """Rank 0's communicator is broken (an allreduce its peers never join
+    timed out). Its next step, publish or flush must fail at once naming
+    the collective and the round or call, break the collective and run no
+    round, although a group round needs nothing from the communicator, as
+    on the shared-memory board (test_shared_wagma.py). A flush that cannot
+    deliver what rank 0 accumulated says so, and close() warns of it.
+    Until session 49 the message path ran its rounds (a flush its arrival
+    check) on the broken communicator as if nothing had happened, and its
+    statistics said ``broken=None``."""
+    if SIZE == 1:
+        pytest.skip("needs a peer that never joins rank 0's allreduce")
+    c = wagma_comm.init(timeout=30)
+    s = _broken_partial(kind, c)
+    if RANK == SIZE - 1:
+        s.step(np.ones(2))  # round 0, run on every rank by its progress thread
+    WORLD.Barrier()
+    if RANK == 0:
+        s.step(np.ones(2))  # late: round 0 ran; solo/majority keep this input
+        with pytest.raises(wagma_comm.CollectiveTimeoutError) as broke:
+            c.allreduce(np.ones(2), timeout=2.0)  # nobody else calls it
+        what = "flush()" if first == "flush" else "round 1"
+        started = time.monotonic()
+        with pytest.raises(wagma_comm.CommunicatorClosedError) as info:
+            getattr(s, first)(np.full(2, 7.0))
+        assert time.monotonic() - started < 1.0
+        assert str(info.value).startswith(
+            f"{s.kind} ({what}): communicator is broken: {broke.value}"), info.value
+        undelivered = "" if kind == "wagma" else (
+            "; not delivered: the inputs of steps [0] not yet in any round")
+        if first == "flush":
+            assert str(info.value).endswith(undelivered), info.value
+        stats = s.statistics()
+        assert stats["broken"] == str(info.value), stats
+        for call in ([s.step, s.publish] if kind == "wagma" else [s.step]):
+            with pytest.raises(wagma_comm.CommunicatorClosedError,
+                               match=r"\(round 1\) is broken: .*communicator is broken"):
+                call(np.full(2, 7.0))
+        with pytest.raises(wagma_comm.CommunicatorClosedError) as flushed:
+            s.flush(np.full(2, 7.0))
+        assert str(flushed.value).startswith(f"{s.kind} (flush()) is broken: "), flushed.value
+        assert str(flushed.value).endswith(undelivered), flushed.value
+        stats = s.statistics()
+        assert (stats["iteration"], stats["started_round"], stats["completed_round"],
+                stats["rounds"]) == (1, 0, 0, 1), stats
+    WORLD.Barrier()
+    # No round started anywhere after round 0: rank 0 sent no token.
+    assert s.statistics()["started_round"] == 0, s.statistics()
+    WORLD.Barrier()
+    c.close(cancel=True)
+    if RANK == 0 and kind != "wagma":
+        with pytest.warns(RuntimeWarning, match=r"the inputs of steps \[0\]"):
+            s.close()  # released locally, saying what it could not deliver
+    else:
+        s.close()  # broken, or its communicator closed: released locally
 
 
 def test_every_group_round_counts_once_in_the_activation_counters(
