@@ -1,9 +1,10 @@
 """The MPI transport itself (wagma_comm/transport/mpi.py) under a real MPI job:
-what its set-up steps raise when MPI fails them."""
+what its set-up steps raise when MPI fails them, and its message identities."""
 
 from __future__ import annotations
 
 import glob
+import time
 from typing import Iterator
 
 import numpy as np
@@ -12,6 +13,8 @@ from mpi4py import MPI
 
 import wagma_comm
 from wagma_comm.transport import mpi as mpi_transport
+
+from conftest import message_path
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -158,3 +161,63 @@ def test_a_communicator_that_fails_to_set_up_stops_its_thread_and_transport(
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert left == []
     WORLD.Barrier()
+
+
+# -- message identity (ALGORITHMS.md s. 3: explicit, never a narrow tag that wraps) --
+def test_message_identities_are_distinct_over_the_window_and_fit_mpis_tags() -> None:
+    """Within a channel the MPI tag of message ``msg`` of collective ``seq``
+    is (seq mod window, msg): every one of the window's sequence numbers has
+    tags of its own, the largest is a legal tag, the window is as large as
+    the tag space allows (the reference packed 8 bits of schedule id), and
+    isend/irecv's tag (``_tag``), posters' ``tag_base`` and ``tag`` agree.
+    Beyond the window the tags repeat: the engine's guard (next test) keeps
+    that from mattering."""
+    from wagma_comm.transport.base import MSG_BITS, MSG_MASK
+
+    transport = mpi_transport.MPITransport(WORLD, timeout=30)
+    try:
+        tag_ub = int(WORLD.Get_attr(MPI.TAG_UB))
+        window = transport.seq_window
+        assert transport.tag(window - 1, MSG_MASK) <= tag_ub
+        assert (window + 1) << MSG_BITS > tag_ub + 1  # no larger window would fit
+        assert len({transport._tag(s, 0) for s in range(window)}) == window
+        assert len({transport._tag(3, m) for m in range(MSG_MASK + 1)}) == MSG_MASK + 1
+        for s in (0, 1, window - 1, window, 5 * window + 7):
+            assert transport._tag(s, 9) == transport.tag_base(s) | 9 == transport.tag(s, 9), s
+    finally:
+        WORLD.Barrier()
+        transport.close()
+
+
+def test_the_engine_never_has_two_collectives_of_one_tag_in_flight() -> None:
+    """With the window cut to 2 sequence numbers, rank 0 posts six
+    collectives that cannot finish (rank 1 posts its own only later): at
+    most two may be started, the rest wait, since a third would reuse the
+    first one's tags on the same channel. Then every result is right."""
+    with message_path():
+        c = wagma_comm.init(timeout=30)
+    try:
+        c._transport._window = 2
+        n, count = 6, 1 << 14  # large enough for the engine (no inline run)
+        bufs = [np.full(count, float(k + 10 * RANK)) for k in range(n)]
+        handles = []
+        if RANK == 0:
+            handles = [c.allreduce(b, "sum", async_op=True) for b in bufs]
+            engine = c._engine
+            until = time.monotonic() + 20
+            while (engine._incoming or len(engine._active) + len(engine._waiting) < n) \
+                    and time.monotonic() < until:
+                time.sleep(0.001)
+            time.sleep(0.05)  # a start past the guard would be made by now
+            assert len(engine._active) <= 2 and len(engine._waiting) >= n - 2, \
+                (len(engine._active), len(engine._waiting))
+        WORLD.Barrier()
+        if RANK != 0:
+            handles = [c.allreduce(b, "sum", async_op=True) for b in bufs]
+        for h in handles:
+            h.wait()
+        for k, b in enumerate(bufs):
+            assert np.all(b == 2 * k + 10), (k, b[:3])
+    finally:
+        WORLD.Barrier()
+        c.close()
