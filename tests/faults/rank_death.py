@@ -127,6 +127,35 @@ def main() -> None:
                 while not handle.test():
                     time.sleep(0.001)
             record(comm, poll)
+    elif CASE == "shared_memory_then_partial":
+        # The death breaks the communicator in a shared-memory allreduce, which
+        # stops no partial collective's service; their next steps, a solo
+        # round (messages) and a group round (board), need nothing from the
+        # communicator but must refuse at once with RankFailedError naming
+        # the victim. Earlier in session 48 the board's said CommunicatorClosedError.
+        grads = np.ones(1 << 10, np.float32)
+        solo = comm.solo_allreduce(grads, sync_every=1000)
+        model = np.zeros(1 << 10, np.float32)
+        wagma = comm.wait_avoiding_group_allreduce(model, group_size=2, sync_every=1000)
+        assert wagma.statistics()["path"] == "shared_memory"
+        if victim:
+            die_soon(0.3)
+            time.sleep(60)
+
+        def partial_steps() -> None:
+            try:
+                comm.allreduce(grads, algorithm="shared_memory")
+            except wagma_comm.RankFailedError:
+                pass
+            try:
+                solo.step(grads)
+            except wagma_comm.RankFailedError as exc:
+                if exc.collective != solo.kind or VICTIM not in exc.ranks:
+                    raise wagma_comm.WagmaError(f"solo step: {exc!r}") from exc
+            else:
+                raise wagma_comm.WagmaError("a solo round ran after the death")
+            wagma.step(model)  # must raise RankFailedError (recorded)
+        record(comm, partial_steps)
     elif CASE in ("board_lock", "board_lock_unnamed"):  # WAGMA's round 1 on the board
         # The victim dies holding its own board lock, its published model
         # half rewritten (NaN): every survivor must be told, not only the

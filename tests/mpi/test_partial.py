@@ -1039,7 +1039,8 @@ def test_a_call_checked_before_a_break_and_registered_after_it_fails_at_once(
     assert not thread.is_alive()
     error = outcome.get("error")
     assert isinstance(error, wagma_comm.CommunicatorClosedError), outcome
-    assert "solo_allreduce is broken: test: the transport failed" in str(error)
+    what = "round 0" if call == "step" else "flush()"  # named since session 48
+    assert f"solo_allreduce ({what}) is broken: test: the transport failed" in str(error)
     assert outcome["ended"] - start < 3.0
     s.close()  # released locally
     c.close()
@@ -1152,7 +1153,7 @@ def test_a_call_on_a_broken_communicator_raises_at_once_and_runs_no_round(
     round, although a group round needs nothing from the communicator, as
     on the shared-memory board (test_shared_wagma.py). A flush that cannot
     deliver what rank 0 accumulated says so, and close() warns of it.
-    Until session 49 the message path ran its rounds (a flush its arrival
+    Before session 48 the message path ran its rounds (a flush its arrival
     check) on the broken communicator as if nothing had happened, and its
     statistics said ``broken=None``."""
     if SIZE == 1:

@@ -45,6 +45,9 @@ CASES = {
     "majority": ("majority_allreduce", 3),
     "shared_memory": ("allreduce", 1),
     "shared_memory_poll": ("allreduce", 1),  # found by the polls, not at the deadline
+    # The death breaks the communicator in a shared-memory allreduce; the
+    # partial collectives' next steps (solo, board WAGMA) must say it.
+    "shared_memory_then_partial": ("wait_avoiding_group_allreduce", 0),
     "board_lock": ("wait_avoiding_group_allreduce", 1),  # died holding its board lock
     "board_lock_unnamed": ("wait_avoiding_group_allreduce", 1),  # ... before saying so
     "exit": (None, None),  # no error to raise: the exit itself must not block

@@ -90,6 +90,53 @@ def final_call_differences(table: np.ndarray, rank: int) -> tuple[dict[int, str]
     return differ, describe(mine)
 
 
+def broken_error(kind: str, round: int, call: str | None, cause: WagmaError, *,
+                 communicator: bool, note: str = "") -> WagmaError:
+    """What a partial collective's step, publish, flush or close raises once
+    the collective (``communicator=False``) or its communicator (True) is
+    broken by ``cause``, naming the collective and the round (``call``: the
+    flush or close instead). A rank death stays one: RankFailedError naming
+    the dead ranks, as the round that met it raised (rank-death cases in
+    tests/unit/test_rank_death.py); anything else is CommunicatorClosedError.
+    ``note``: what the call could not deliver. Both paths raise these
+    (this module and shared_wagma.py), with ``cause`` as their cause."""
+    how = "communicator is broken" if communicator else "is broken"
+    if isinstance(cause, RankFailedError):
+        error: WagmaError = RankFailedError(
+            kind, round, cause.ranks,
+            f"{call + ': ' if call else ''}{how}: {cause.where}: {cause.detail}{note}")
+    else:
+        what = call or f"round {round}"
+        error = CommunicatorClosedError(
+            f"{kind} ({what}){': ' if communicator else ' '}{how}: {cause}{note}")
+    error.__cause__ = cause
+    return error
+
+
+def unusable(kind: str, round: int, call: str | None, closed: bool,
+             error: WagmaError | None, comm: Any, note: str = "") -> WagmaError | None:
+    """Whether a partial collective may take a step, publish or flush
+    (``call``, else round ``round``): raises CommunicatorClosedError when it
+    is ``closed`` or its communicator is, its :func:`broken_error` when it is
+    broken (``error``); returns the error that breaks it now when its
+    communicator is broken (a timeout, a dead rank or a failed transport
+    in any of the communicator's collectives: the caller breaks the
+    collective with it, and raises it), else None. A round needs nothing
+    from the communicator, but before session 48 rounds went on averaging
+    on it (with peers that may be failing) as if nothing had happened, on
+    the message path sync rounds and flushes too."""
+    if closed:
+        raise CommunicatorClosedError(f"{kind} is closed")
+    if error is not None:
+        raise broken_error(kind, round, call, error, communicator=False, note=note)
+    if comm.closed:
+        raise CommunicatorClosedError(f"{kind} ({call or f'round {round}'}): "
+                                      "its communicator is closed")
+    broken = comm._engine.broken
+    return None if broken is None else broken_error(kind, round, call, broken,
+                                                    communicator=True, note=note)
+
+
 def check_sync_every(sync_every: Any) -> int:
     if isinstance(sync_every, bool) or not isinstance(sync_every, int):
         raise InvalidArgumentError("sync_every", f"expected an int, got {sync_every!r}")
@@ -307,7 +354,8 @@ class PartialCollective:
             data, owner = self._template_data()
         else:
             data, owner = None, None
-        self._check_usable()
+        with self._lock:
+            self._check_usable("flush()")
         self._check_promise("flush")
         call = self._final_call("flush", data, owner)
         return call.handle.wait()
@@ -326,7 +374,8 @@ class PartialCollective:
                 call = self._final_call("close", None, None)
                 call.handle.wait()
         finally:
-            self._engine.remove_service(self)
+            if not any(what == "break" for what, _ in list(self._inbox)):
+                self._engine.remove_service(self)  # else its break does (progress())
             leftover = self._leftover()
             if leftover:
                 warnings.warn(f"{self.kind} closed with {leftover}; call flush() on "
@@ -359,7 +408,8 @@ class PartialCollective:
             # Stop listening for tokens and fail the calls still outstanding,
             # on the progress thread (the listener's receive can be
             # cancelled only there).
-            self._inbox.append(("abandon", None))
+            self._inbox.append(("break", CommunicatorClosedError(
+                "closed when an exception left its with block")))
             self._engine.wake()
 
     # -- application-side helpers ----------------------------------------------------
@@ -376,11 +426,26 @@ class PartialCollective:
                 "ready", f"publish(ready=True) for round {self._app_round} promised a "
                 f"step(); call step() before {what}()")
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise CommunicatorClosedError(f"{self.kind} is closed")
-        if self._error is not None:
-            raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
+    def _check_usable(self, call: str | None = None, closing: bool = False) -> None:
+        """(under _lock) Raise, naming the round (or ``call``), unless this
+        collective and its communicator are usable (:func:`unusable`). A
+        broken communicator breaks the collective here, at once: no round
+        runs and no token is sent. A flush that cannot run says what it
+        could not deliver (solo/majority: the inputs not yet in any round).
+        ``closing``: close(), which has marked the collective closed."""
+        leftover = self._leftover() if call == "flush()" else ""
+        error = unusable(self.kind, self._app_round, call, self._closed and not closing,
+                         self._error, self._comm,
+                         note=f"; not delivered: {leftover}" if leftover else "")
+        if error is None:
+            return
+        self._error = error
+        # Stop listening for tokens and fail the calls still outstanding,
+        # on the progress thread (the listener's receive can be cancelled
+        # only there).
+        self._inbox.append(("break", error))
+        self._engine.wake()
+        raise error
 
     def _new_call(self, kind: str, t: int, data: np.ndarray | None, owner: Any,
                   staleness: int) -> _Call:
@@ -396,8 +461,7 @@ class PartialCollective:
         under the lock, as fail() takes the calls still queued under it: a
         break either comes first (raised here) or fails the call."""
         with self._lock:
-            if self._error is not None:
-                raise CommunicatorClosedError(f"{self.kind} is broken: {self._error}")
+            self._check_usable(f"{kind}()", closing=kind == "close")
             call = self._new_call(kind, self._app_round, data, owner, 0)
             self._inbox.append(("final", call))
         self._engine.wake()
@@ -440,9 +504,8 @@ class PartialCollective:
                 self._start_ready(arg)
             elif what == "final":
                 self._final = arg
-            elif what == "abandon":  # __exit__ by an exception
-                self._break(CommunicatorClosedError(
-                    "closed when an exception left its with block"))
+            elif what == "break":  # an application call found it broken, or __exit__
+                self._break(arg)  # by an exception
                 return True
         if self._closing is not None:
             return did | self._check_drain_deadline()

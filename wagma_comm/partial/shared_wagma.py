@@ -64,7 +64,7 @@ from ..transport import shm_lock
 from ..transport.shm_board import (ACTIVATOR, ARRIVED, DIED, HOLDER, PUBLISHED, RESULT,
                                     Board)
 from .base import (CLOSE, FLUSH, FLUSH_ROUND, agree, check_first_round, check_step_buffer,
-                   check_sync_every, final_call_differences)
+                   check_sync_every, final_call_differences, unusable)
 from .info import RoundInfo, Telemetry
 from .wagma import WaitAvoidingGroupAllreduce, check_options, check_ready
 
@@ -220,7 +220,7 @@ class SharedWaitAvoidingGroupAllreduce:
         check_ready(ready)
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._settle_sync_round()
-        self._check_usable(f"round {self._app_round}")
+        self._check_usable()
         self._publish(data, self._app_round)
 
     def step(self, buf: Any, *, async_op: bool = False) -> Any:
@@ -229,7 +229,7 @@ class SharedWaitAvoidingGroupAllreduce:
         ``wait()`` returns it)."""
         data, _ = check_step_buffer(self.kind, self.count, self.dtype, buf)
         self._settle_sync_round()
-        self._check_usable(f"round {self._app_round}")
+        self._check_usable()
         t = self._app_round
         self._app_round += 1
         started = time.monotonic()
@@ -279,6 +279,7 @@ class SharedWaitAvoidingGroupAllreduce:
             if unseen is not None:  # its handle's owner never asked: tell them here
                 raise unseen
             if self._error is None and not self._comm.closed:
+                self._check_usable("close()", closing=True)
                 self._agree("close", CLOSE)
         finally:
             self._unmap()
@@ -698,22 +699,15 @@ class SharedWaitAvoidingGroupAllreduce:
         if self._board.closed:
             raise CommunicatorClosedError(f"{self.kind} is closed")
 
-    def _check_usable(self, what: str) -> None:
-        """Raise, naming ``what`` (the round or call), unless this
-        collective and its communicator are usable. A broken communicator
-        breaks the collective: a group round needs nothing from it, but
-        until session 48 such rounds went on averaging (with peers that
-        may be failing) until the next sync round's allreduce was refused."""
-        if self._closed:
-            raise CommunicatorClosedError(f"{self.kind} is closed")
-        if self._error is not None:
-            raise CommunicatorClosedError(f"{self.kind} ({what}) is broken: {self._error}")
-        if self._comm.closed:
-            raise CommunicatorClosedError(f"{self.kind} ({what}): its communicator is closed")
-        broken = self._comm._engine.broken
-        if broken is not None:
-            raise self._break(CommunicatorClosedError(
-                f"{self.kind} ({what}): communicator is broken: {broken}"))
+    def _check_usable(self, call: str | None = None, closing: bool = False) -> None:
+        """Raise, naming the round (or ``call``), unless this collective and
+        its communicator are usable; a broken communicator breaks the
+        collective (base.unusable, as on the message path). ``closing``:
+        close(), which has marked the collective closed."""
+        error = unusable(self.kind, self._app_round, call, self._closed and not closing,
+                         self._error, self._comm)
+        if error is not None:
+            raise self._break(error)
 
 
 # -- choosing the path (collective) ---------------------------------------------------

@@ -119,8 +119,8 @@ class WaitAvoidingGroupAllreduce(PartialCollective):
         synchronous round still starts at the steps."""
         check_ready(ready)
         data, _ = self._check_buf(buf)
-        self._check_usable()
         with self._lock:
+            self._check_usable()
             t = self._app_round
             self._contribute(data, t)
             self._mem.settle()  # the caller may change ``buf`` once we return
