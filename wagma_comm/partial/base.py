@@ -288,6 +288,10 @@ class PartialCollective:
         self._arrival_checks = 0  # sync rounds' arrival checks still in flight
         self._final: _Call | None = None  # a flush or close waiting for its turn
         self._final_count = 0
+        # What the engine's errors of the running flush or close name: the
+        # caller's step count and the call, not its Work's number (a count
+        # of flushes and closes), which the broken communicator repeated.
+        self._final_naming: tuple[int, str] = (0, "")
         self._thresholds: dict[int, int] = {}
         self._roots: dict[int, int] = {}
         self._last_sync = -1
@@ -741,6 +745,7 @@ class PartialCollective:
         """A flush or close: synchronous, outside the iteration count."""
         k = self._final_count
         self._final_count += 1
+        self._final_naming = (call.iteration, f"{call.kind}()")
         everyone = self._everyone
         if call.kind == "close" or (call.data is None and not self._flush_needs_data()):
             what = CLOSE if call.kind == "close" else FLUSH
@@ -776,12 +781,14 @@ class PartialCollective:
                   patient: bool = False) -> Work:
         """An engine Work of this collective (nobody waits on its handle: the
         outcome arrives through ``on_complete``)."""
-        handle = Handle(self.kind, seq, deadline, self._engine.alive)
+        round, call = self._final_naming if space == "final" else (None, "")
+        handle = Handle(self.kind, seq if round is None else round, deadline,
+                        self._engine.alive)
         # rings: a member's progress thread may sleep while its application
         # computes; our round's messages wake it (runtime/engine.py).
         return Work(seq, self.kind, handle, stages, deadline, self.timeout,
                     space=(self, space), on_complete=on_complete, patient=patient,
-                    rings=True)
+                    rings=True, round=round, call=call)
 
     def _exchange(self, seq: int, buf: np.ndarray, members: tuple[int, ...], channel: str,
                   label: str, before: list[Stage],
@@ -867,13 +874,16 @@ class PartialCollective:
         self._running = False
         if err is not None:
             error = err if isinstance(err, WagmaError) else WagmaError(str(err))
-            if isinstance(error, (CollectiveTimeoutError, RankFailedError)):
-                # The engine numbers a flush or close by this collective's
-                # count of them (its Work's seq): "(round 0)" named a round
-                # done long before. Said of the call and the caller's step
-                # count, as a mismatch of final calls and the board say it.
+            named = f"{call.kind}(): "
+            if (isinstance(error, (CollectiveTimeoutError, RankFailedError))
+                    and not (error.round == call.iteration and error.detail.startswith(named))):
+                # Said of the call and the caller's step count, as a mismatch
+                # of final calls and the board say it. The engine's timeouts
+                # already are (Work.round, Work.call); before, they named its
+                # Work's seq, this collective's count of flushes and closes:
+                # "(round 0)", a round done long before.
                 error = type(error)(self.kind, call.iteration, error.ranks,
-                                    f"{call.kind}(): {error.detail}")
+                                    named + error.detail)
             if call.kind == "close":
                 self._teardown()
             else:

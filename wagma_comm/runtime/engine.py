@@ -169,6 +169,16 @@ class Work:
     # has no deadline and no watchdog (dead peers still fail it) until its
     # service sets this False and gives it a fresh deadline.
     patient: bool = False
+    # Where ``seq`` is only a message identity (a partial collective's flush
+    # or close, numbered by its count of them): the round its errors name
+    # (the caller's step count) and the call they say it was ("close()").
+    round: int | None = None
+    call: str = ""
+
+    def shown(self) -> tuple[int, str]:
+        """The round this Work's errors name, and the start of their detail."""
+        return (self.seq if self.round is None else self.round,
+                f"{self.call}: " if self.call else "")
 
 
 class Service(Protocol):

@@ -55,9 +55,10 @@ def timeout_error(work: Any, stage: Any, ops: Sequence[Any],
                   posted: dict[int, Any]) -> CollectiveTimeoutError:
     """The error of ``work`` timed out in ``stage`` with ``posted`` outstanding."""
     waiting = waiting_ranks(stage.schedule.rank, ops, posted)
+    round, call = work.shown()
     return CollectiveTimeoutError(
-        work.collective, work.seq, waiting,
-        f"timed out after {work.timeout:g} s in its {stage_phase(stage)}, "
+        work.collective, round, waiting,
+        f"{call}timed out after {work.timeout:g} s in its {stage_phase(stage)}, "
         f"still waiting for messages from {len(waiting)} rank(s)",
     )
 
@@ -108,7 +109,7 @@ class Watch:
                 failed.append((run, timeout_error(work, run.stage, run.ops, run.posted)))
             elif not run.warned and self.overdue(work.deadline, work.timeout, now):
                 run.warned = True
-                self.warn(work.collective, work.seq, work.deadline, work.timeout, now,
+                self.warn(work.collective, work.shown()[0], work.deadline, work.timeout, now,
                           stage_phase(run.stage),
                           waiting_ranks(run.stage.schedule.rank, run.ops, run.posted))
         return failed
@@ -139,7 +140,7 @@ class Watch:
         if not dead:
             return []
         return [(run, self._rank_failed(dead, run.stage.schedule.ranks)(
-            run.work.collective, run.work.seq)) for run in runs]
+            run.work.collective, run.work.shown()[0])) for run in runs]
 
     def dead_among(self, ranks: Sequence[int],
                    settle: bool = False) -> Callable[[str, int], RankFailedError] | None:
