@@ -106,3 +106,38 @@ def test_a_cancelled_close_never_lets_a_peers_message_reach_the_next_communicato
     finally:
         b.close()
     WORLD.Barrier()
+
+
+def test_an_exchange_limit_of_0_leaves_the_wagma_board_available() -> None:
+    """WAGMA_SHM_MAX_BYTES only limits what algorithm=None reduces through
+    the segment; the board takes models up to its own limit (a 1 KiB
+    exchange limit keeps it). At 0 the segment is still there (a forced
+    shared_memory allreduce runs), but the board judged the communicator by
+    ``shared_memory_bytes == 0``: algorithm=None took the message path and
+    algorithm="shared_memory" raised UnsupportedError("... the communicator
+    has no shared-memory segment (this transport has no shared-memory
+    segment)"), which was untrue (session 48's chaos run)."""
+    from conftest import env_set
+
+    if SIZE == 1:
+        pytest.skip("one rank has no segment")
+    with env_set("WAGMA_SHM_MAX_BYTES", "0"):
+        c = wagma_comm.init(timeout=30)
+    try:
+        if c._shared is None:
+            pytest.skip("no shared-memory segment on this machine")
+        assert c.shared_memory_bytes == 0
+        y = np.full(3, float(RANK + 1))
+        c.allreduce(y, algorithm="shared_memory")
+        assert np.all(y == SIZE * (SIZE + 1) / 2), y
+        for algorithm in (None, "shared_memory"):
+            w = c.wait_avoiding_group_allreduce(np.zeros(4), SIZE, 2, algorithm=algorithm)
+            assert w.statistics()["path"] == "shared_memory", algorithm
+            w.step(np.full(4, float(RANK)))
+            model = np.full(4, float(RANK))
+            w.step(model)  # the sync round: the global mean
+            assert np.all(model == (SIZE - 1) / 2), model
+            w.close()
+    finally:
+        c.close()
+    WORLD.Barrier()

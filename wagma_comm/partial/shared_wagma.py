@@ -717,7 +717,10 @@ def unavailable_reason(comm: Any, nbytes: int) -> str | None:
     segment is agreed at init, ``nbytes`` by the agreement). What only this
     process can tell (its C library's locks) is :func:`open_board`'s
     ``refused``, told to the others there."""
-    if comm.shared_memory_bytes == 0:
+    # The segment itself, not shared_memory_bytes: WAGMA_SHM_MAX_BYTES=0
+    # (nothing reduced there by default) leaves the segment, and the board
+    # has its own limit (before session 48 it said no segment there).
+    if comm._shared is None:
         reason = comm._transport.shared_unavailable or "no shared-memory segment"
         return f"the communicator has no shared-memory segment ({reason})"
     if nbytes > MODEL_MAX_BYTES:
