@@ -575,7 +575,12 @@ def test_avg_divides_by_every_rank_not_by_the_fresh_ones(comm: Communicator,
         assert results == [0.5] * steps, results
     final = np.zeros(2)
     c.flush(final)
-    assert np.allclose(final, 1000.0 * steps / SIZE, rtol=1e-15, atol=0), final
+    # The slow rank's inputs all arrive here; from 3 ranks up a fast rank's
+    # step may also come after another fast rank activated its round (solo:
+    # the first arrival starts it), and its input then arrives here too.
+    late_fast = final[0] * SIZE - 1000.0 * steps
+    assert late_fast == int(late_fast) and 0 <= late_fast <= (SIZE - 1) * steps, final
+    assert final[0] == final[1], final
     total = (sum(results) + final[0]) * SIZE
     assert np.isclose(total, (SIZE - 1) * steps + 1000.0 * steps, rtol=1e-14, atol=0), total
     c.close()
